@@ -1,0 +1,15 @@
+"""Shared fixtures. Tests never touch the network: the checkpoints are built locally from a seed."""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_orpheus(tmp_path_factory):
+    """(model_dir, codec_dir): tiny random Orpheus LM + SNAC 24 kHz (decoder_dim 64), seed 0."""
+    from voxbackend.tools.tiny_checkpoint import write_default
+
+    return write_default(tmp_path_factory.mktemp("tiny_orpheus"), seed=0, size="tiny")

@@ -1,0 +1,215 @@
+"""Deterministic random-weight checkpoints in the Hugging Face layout (no network, no real weights).
+
+    python -m voxbackend.tools.tiny_checkpoint --out DIR [--seed N] [--size tiny|bench]
+
+writes DIR/orpheus (LlamaForCausalLM + Llama-3 style tokenizer with Orpheus' custom audio tokens) and
+DIR/snac_24khz (the published snac_24khz layout with a smaller decoder_dim).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+ORPHEUS_VOCAB = 156940
+BOS_ID, EOT_ID = 128000, 128009
+NUM_REGULAR = 128000          # ids below this are ordinary BPE tokens
+CUSTOM_BASE = 128256          # <custom_token_N> = CUSTOM_BASE + N
+NUM_CUSTOM = ORPHEUS_VOCAB - CUSTOM_BASE  # 28684
+
+SIZES = {
+    "tiny": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384),
+    # big enough that the model, not Python overhead, dominates a CPU decode step
+    "bench": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536),
+}
+
+SNAC_24KHZ_CONFIG = {  # as published in hubertsiuzdak/snac_24khz
+    "sampling_rate": 24000, "encoder_dim": 48, "encoder_rates": [2, 4, 8, 8], "decoder_dim": 1024,
+    "decoder_rates": [8, 8, 4, 2], "attn_window_size": None, "codebook_size": 4096, "codebook_dim": 8,
+    "vq_strides": [4, 2, 1], "noise": True, "depthwise": True,
+}
+
+# Our own training text for the toy BPE: plain English, fixed here so the tokenizer never changes.
+_CORPUS = """\
+Hello world. Hello there, how are you doing today? I am doing well, thank you for asking.
+The quick brown fox jumps over the lazy dog while the cat watches from the warm window sill.
+Tara, Leah, Jess, Leo, Dan, Mia, Zac and Zoe are the voices that read the stories aloud.
+A streaming server sends the first audio chunk as soon as it is ready, so the listener can start playing.
+The weather this morning was cold and grey, but by the afternoon the sun came out over the hills.
+She said that the train would arrive at seven, and that we should wait for her near the station.
+Numbers like one, two, three, four, five, six, seven, eight, nine and ten are easy to say.
+Please read this sentence slowly and clearly, with a short pause after every comma and full stop.
+When the music stopped, everyone in the room turned around to see who had opened the heavy door.
+It is important to test every part of a system, from the smallest function to the whole service.
+I think that we should go for a walk in the park, and then have some tea and a slice of cake.
+The children laughed and played in the garden until their mother called them in for dinner.
+Good morning! Good evening! Good night, and sleep well. See you tomorrow, my friend.
+Can you tell me the way to the library? Turn left at the corner and walk straight for two blocks.
+Speech models turn text into sound, one small piece at a time, faster than a person can speak.
+"""
+
+
+def _llama3_special_tokens() -> list[str]:
+    # Llama-3 ids 128000..128255; the named ones sit where Meta put them, the rest are reserved_special_token_N
+    named = {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128006: "<|start_header_id|>",
+             128007: "<|end_header_id|>", 128009: "<|eot_id|>"}
+    out, n = [], 0
+    for i in range(128000, CUSTOM_BASE):
+        if i in named:
+            out.append(named[i])
+        else:
+            out.append(f"<|reserved_special_token_{n}|>")
+            n += 1
+    return out
+
+
+def build_tokenizer():
+    """Byte-level BPE trained on _CORPUS, padded to 128000 regular ids, then Llama-3 + Orpheus special ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    base = Tokenizer(models.BPE())
+    base.pre_tokenizer = pre
+    trainer = trainers.BpeTrainer(vocab_size=1000, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    base.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    state = json.loads(base.to_str())["model"]
+    vocab: dict[str, int] = dict(state["vocab"])
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
+    # filler ids: no merge ever produces these strings, so they are unreachable by encoding
+    for i in range(len(vocab), NUM_REGULAR):
+        vocab[f"<filler_{i}>"] = i
+    assert len(vocab) == NUM_REGULAR and max(vocab.values()) == NUM_REGULAR - 1
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.ByteLevel()
+    specials = _llama3_special_tokens() + [f"<custom_token_{n}>" for n in range(NUM_CUSTOM)]
+    tok.add_special_tokens(specials)  # ids are assigned in order from 128000
+    assert tok.get_vocab_size() == ORPHEUS_VOCAB
+    assert tok.token_to_id("<|eot_id|>") == EOT_ID and tok.token_to_id("<custom_token_4>") == 128260
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|>:1 $B:1",
+        special_tokens=[("<|begin_of_text|>", BOS_ID)])
+    return tok
+
+
+def _write_tokenizer(out: Path) -> None:
+    build_tokenizer().save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>", "clean_up_tokenization_spaces": False, "model_max_length": 131072,
+        "model_input_names": ["input_ids", "attention_mask"],
+    }, indent=2))
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}, indent=2))
+
+
+def orpheus_config(hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                   intermediate_size: int, max_position_embeddings: int) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": ORPHEUS_VOCAB,
+        "hidden_size": hidden_size, "intermediate_size": intermediate_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+        "head_dim": hidden_size // num_heads, "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings, "initializer_range": 0.02, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
+        "tie_word_embeddings": True, "bos_token_id": BOS_ID, "eos_token_id": EOT_ID, "use_cache": True,
+        "torch_dtype": "float32",
+    }
+
+
+def write_tiny_orpheus(out_dir: str | Path, seed: int = 0, hidden_size: int = 128, num_layers: int = 4,
+                       num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 384,
+                       max_position_embeddings: int = 8192) -> Path:
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_dict = orpheus_config(hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                              max_position_embeddings)
+    config = LlamaConfig(**{k: v for k, v in cfg_dict.items() if k not in ("model_type", "torch_dtype")})
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).float().eval()
+    model.save_pretrained(out)
+    # our config.json, not transformers' (keeps the Llama-3.2 field set stable across transformers versions)
+    (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[128258, EOT_ID], do_sample=True, temperature=0.6,
+                     top_p=0.8, repetition_penalty=1.3, max_new_tokens=1200).save_pretrained(out)
+    _write_tokenizer(out)
+    return out
+
+
+def write_tiny_snac(out_dir: str | Path, seed: int = 0, decoder_dim: int = 64) -> Path:
+    from snac import SNAC  # the reference package: its state_dict is exactly the published layout
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = dict(SNAC_24KHZ_CONFIG, decoder_dim=decoder_dim)
+    torch.manual_seed(seed)
+    model = SNAC(**config)
+    sd = {}
+    for k, v in model.state_dict().items():  # new parametrization names -> published weight_g / weight_v
+        k = k.replace(".parametrizations.weight.original0", ".weight_g")
+        k = k.replace(".parametrizations.weight.original1", ".weight_v")
+        sd[k] = v.detach().clone().contiguous()
+    torch.save(sd, out / "pytorch_model.bin")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def write_default(out_dir: str | Path, seed: int = 0, size: str = "tiny") -> tuple[Path, Path]:
+    out = Path(out_dir)
+    model_dir = write_tiny_orpheus(out / "orpheus", seed=seed, **SIZES[size])
+    codec_dir = write_tiny_snac(out / "snac_24khz", seed=seed)
+    return model_dir, codec_dir
+
+
+_COMPLETE = ".complete"
+
+
+def ensure_default_checkpoint(root: str | Path | None = None, size: str = "tiny") -> tuple[Path, Path]:
+    """(model_dir, codec_dir) under root; built once (tmp dir + atomic rename), reused afterwards."""
+    if root is None:
+        root = os.environ.get("VOXBACKEND_CACHE") or Path.home() / ".cache" / "voxbackend" / "default"
+    root = Path(root)
+    dirs = (root / "orpheus", root / "snac_24khz")
+    if (root / _COMPLETE).exists():
+        return dirs
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
+    try:
+        write_default(tmp, seed=0, size=size)
+        (tmp / _COMPLETE).write_text("ok\n")
+        try:
+            os.rename(tmp, root)  # atomic; fails if another process already put a full root in place
+        except OSError:
+            if not (root / _COMPLETE).exists():
+                raise RuntimeError(f"{root} exists but is not a complete checkpoint; delete it and retry")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dirs
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    args = ap.parse_args(argv)
+    model_dir, codec_dir = write_default(args.out, seed=args.seed, size=args.size)
+    print(model_dir)
+    print(codec_dir)
+
+
+if __name__ == "__main__":
+    main()
