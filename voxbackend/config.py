@@ -1,0 +1,49 @@
+"""Engine settings. Every field can be set from `voxbackend.load(**options)` or a Triton config parameter."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+POLICIES = ("online", "fcfs", "offline")
+
+
+@dataclass
+class EngineConfig:
+    device: str = "cpu"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    policy: str = "online"  # online (streaming-aware) | fcfs | offline
+    max_batch: int = 32  # requests in one LM step
+    kv_pages: int = 1024  # pages in the KV pool (one more is kept as scratch for padding)
+    page_size: int = 16  # tokens per KV page
+    prefill_budget: int = 512  # tokens per LM step across chunked prefills and decodes
+    max_queue: int = 256  # waiting requests beyond this are refused as overloaded
+    detok_batch: int = 16  # codec windows per detokenizer call
+    playback_margin_s: float = 1.0  # online policy: extra buffer beyond the last chunk before a stream is "pressing"
+    attention: str = "auto"  # auto | torch | flashinfer
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("max_batch", "kv_pages", "page_size", "prefill_budget", "max_queue", "detok_batch"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @classmethod
+    def from_options(cls, options: dict) -> "EngineConfig":
+        """Build from loose options (strings from config files are converted to each field's type)."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = set(options) - set(known)
+        if unknown:
+            raise ValueError(f"unknown engine options: {sorted(unknown)}; known: {sorted(known)}")
+        values = {}
+        for name, value in options.items():
+            kind = type(getattr(cls(), name))
+            values[name] = kind(value) if not isinstance(value, kind) else value
+        return cls(**values)

@@ -1,0 +1,65 @@
+"""Cutting each request's codec frames into windows and decoding windows of many requests in one batch."""
+from __future__ import annotations
+
+import numpy as np
+
+from voxbackend.models.base import SpeechModel, WindowJob, WindowSpec
+from voxbackend.request import Request
+
+
+def window_count(spec: WindowSpec, n_frames: int, lm_done: bool) -> int:
+    """Windows that can be decoded now from n_frames frames."""
+    full = 0 if n_frames < spec.first_frames else (n_frames - spec.first_frames) // spec.hop_frames + 1
+    if lm_done and spec.flush_on_finish:
+        covered = spec.first_frames + (full - 1) * spec.hop_frames if full else 0
+        if n_frames > covered:
+            return full + 1
+    return full
+
+
+def window_bounds(spec: WindowSpec, k: int, n_frames: int) -> tuple[int, int]:
+    end = min(spec.first_frames + k * spec.hop_frames, n_frames)
+    return max(0, end - spec.frames) if k else 0, end
+
+
+def window_seed(request_seed: int, k: int) -> int:
+    return (request_seed * 1_000_003 + k) & 0x7FFFFFFF
+
+
+class Detokenizer:
+    def __init__(self, model: SpeechModel):
+        self.model = model
+        self.spec = model.spec.window
+        self.per_frame = model.spec.codes_per_frame
+
+    def frames(self, r: Request) -> int:
+        return len(r.codes) // self.per_frame
+
+    def ready(self, r: Request) -> int:
+        return window_count(self.spec, self.frames(r), r.lm_done) - r.windows_done
+
+    def finished(self, r: Request) -> bool:
+        return r.lm_done and self.ready(r) == 0
+
+    def run(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, np.ndarray]]:
+        """Decode the planned windows (in order per request); returns one audio chunk per request."""
+        jobs: list[WindowJob] = []
+        owners: list[Request] = []
+        for r, n in plan:
+            frames = np.asarray(r.codes[: self.frames(r) * self.per_frame]).reshape(-1, self.per_frame)
+            total = window_count(self.spec, len(frames), r.lm_done)
+            for k in range(r.windows_done, r.windows_done + n):
+                start, end = window_bounds(self.spec, k, len(frames))
+                jobs.append(WindowJob(r.id, k, frames[start:end], window_seed(r.sampling.seed, k), k == total - 1,
+                                      r.codec_state))
+                owners.append(r)
+        audio = self.model.detokenize(jobs)
+        chunks: dict[str, list[np.ndarray]] = {}
+        for r, job, wav in zip(owners, jobs, audio):
+            chunks.setdefault(r.id, []).append(wav)
+            r.codec_state = job.state
+        out = []
+        for r, n in plan:
+            r.windows_done += n
+            out.append((r, np.concatenate(chunks[r.id]).astype(np.float32, copy=False)))
+        return out

@@ -1,0 +1,367 @@
+"""The engine loop: admit, schedule, LM step, sample, detokenize, emit. One thread per engine.
+
+Callers on other threads only touch the inbox (submissions and cancellations) under a lock; everything else is
+owned by the engine thread. Events go out through each request's `on_event` callback, which must not block.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from voxbackend.attention.torch_backend import TorchPagedAttention
+from voxbackend.attention.base import SeqSlice
+from voxbackend.config import EngineConfig
+from voxbackend.engine.detokenize import Detokenizer
+from voxbackend.engine.kv_pool import KVPool
+from voxbackend.engine.scheduler import Scheduler
+from voxbackend.errors import EngineDead, EngineOverloaded, InvalidRequest
+from voxbackend.events import Event, EventKind
+from voxbackend.models.base import SpeechModel
+from voxbackend.request import Request, Status
+from voxbackend.sampling import SamplingBatch, sample
+from voxbackend.sampling_params import SamplingParams
+
+log = logging.getLogger("voxbackend.engine")
+MAX_CONSECUTIVE_FAILURES = 3
+
+
+@dataclass
+class EngineStats:
+    running: int  # requests holding KV pages or still detokenizing
+    queued: int  # waiting for admission
+    kv_pages_used: int
+    kv_pages_total: int
+
+
+class Engine:
+    def __init__(self, model: SpeechModel, config: EngineConfig, clock: Callable[[], float] = time.monotonic):
+        self.model = model
+        self.config = config
+        self.clock = clock
+        self.device = config.device
+        self.pool = KVPool(model.spec.geometry, config.kv_pages, config.page_size, config.device, config.torch_dtype)
+        self.attention = make_attention(config, model, self.pool)
+        self.scheduler = Scheduler(config)
+        self.detokenizer = Detokenizer(model) if model.spec.window else None
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # holds pages (LM) or LM finished and still detokenizing
+        self._inbox: list[Request] = []
+        self._cancels: set[str] = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._ids = itertools.count()
+        self._failures = 0
+        self.alive = True
+        self.dead_reason: str | None = None
+
+    # ---------------------------------------------------------------- public, thread-safe
+    def submit(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams | None = None,
+        on_event: Callable[[Event], None] | None = None,
+        request_id: str | None = None,
+        streaming: bool = True,
+    ) -> str:
+        """Queue a request; validation errors raise here, before any device work."""
+        if not self.alive:
+            raise EngineDead(f"engine stopped after a failure: {self.dead_reason}")
+        params = (sampling or self.model.default_sampling()).validated()
+        prompt = self._check_prompt(prompt_ids)
+        budget = len(prompt) + params.max_tokens
+        max_context = self.model.spec.geometry.max_context
+        if budget > max_context:
+            params.max_tokens = max_context - len(prompt)  # generation ends at the context ("length")
+        needed = self.pool.pages_for(len(prompt) + params.max_tokens)
+        if needed > self.pool.num_pages:
+            raise InvalidRequest(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {needed} KV pages; "
+                f"the pool has {self.pool.num_pages}"
+            )
+        rid = request_id or f"req-{next(self._ids)}"
+        req = Request(rid, prompt, params, on_event or (lambda e: None), self.clock(), streaming=streaming)
+        with self._lock:
+            if len(self.waiting) + len(self._inbox) >= self.config.max_queue:
+                raise EngineOverloaded(f"overloaded: {self.config.max_queue} requests already queued; retry later")
+            self._inbox.append(req)
+        self._wake.set()
+        return rid
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancels.add(request_id)
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            queued = len(self.waiting) + len(self._inbox)
+        return EngineStats(len(self.running), queued, self.pool.used_pages, self.pool.num_pages)
+
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="voxbackend-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    # ---------------------------------------------------------------- convenience API
+    def generate_ids(self, prompts: list[list[int]], sampling: SamplingParams | None = None) -> list[list[int]]:
+        """LM tokens only; all prompts are submitted together and batched continuously."""
+        done: dict[str, list[int]] = {}
+        errors: list[str] = []
+        finished = threading.Event()
+
+        def on_event(e: Event) -> None:
+            if e.kind is EventKind.ERROR:
+                errors.append(e.error or "error")
+            if e.final:
+                done[e.request_id] = e.token_ids or []
+                if len(done) == len(prompts):
+                    finished.set()
+
+        ids = [self.submit(p, sampling, on_event, streaming=False) for p in prompts]
+        self._wait(finished)
+        if errors:
+            raise RuntimeError(errors[0])
+        return [done[i] for i in ids]
+
+    def stream(self, text: str, voice: str | None = None, sampling: SamplingParams | None = None) -> Iterator[np.ndarray]:
+        events: queue.Queue[Event] = queue.Queue()
+        rid = self.submit(self.model.prepare(text, voice), sampling, events.put)
+        self.start()
+        try:
+            while True:
+                e = events.get()
+                if e.kind is EventKind.AUDIO:
+                    yield e.audio
+                elif e.kind is EventKind.ERROR:
+                    raise RuntimeError(e.error)
+                else:
+                    return
+        finally:
+            self.cancel(rid)  # a consumer that stops early frees the request; harmless once finished
+
+    def synthesize(self, text: str, voice: str | None = None, sampling: SamplingParams | None = None):
+        chunks = list(self.stream(text, voice, sampling))
+        audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+        return audio, self.model.spec.sample_rate
+
+    def _wait(self, finished: threading.Event) -> None:
+        if self._thread is not None:
+            finished.wait()
+            return
+        while not finished.is_set():  # not started: drive the loop on this thread
+            self.step()
+
+    # ---------------------------------------------------------------- the loop
+    def _loop(self) -> None:
+        while not self._stop:
+            worked = self.step()
+            if not worked:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+
+    def step(self) -> bool:
+        """One iteration; returns whether there was work. Never raises: failures become error events."""
+        if not self.alive:
+            return False
+        self._drain_inbox()
+        self._admit()
+        now = self.clock()
+        lm = self.scheduler.schedule_lm(self.running, now)
+        try:
+            if lm:
+                self._run_lm(lm)
+            detok = self._schedule_detok(now, lm_busy=any(not r.lm_done for r in self.running))
+            if detok:
+                self._run_detok(detok)
+            self._failures = 0
+        except Exception as exc:  # noqa: BLE001 - a step failure must not kill other requests' streams
+            log.exception("engine step failed")
+            self._failures += 1
+            involved = {r.id for r, _ in lm} | {r.id for r in self.running if r.lm_done}
+            for r in [r for r in self.running if r.id in involved]:
+                self._finish(r, error=f"engine step failed: {exc}")
+            if self._failures >= MAX_CONSECUTIVE_FAILURES:
+                self._die(f"{MAX_CONSECUTIVE_FAILURES} engine steps failed in a row; last: {exc}")
+            return True
+        return bool(lm or detok or self.waiting)
+
+    def _check_prompt(self, prompt_ids) -> list[int]:
+        try:
+            prompt = [int(t) for t in prompt_ids]
+        except (TypeError, ValueError):
+            raise InvalidRequest("prompt_ids must be a list of integers") from None
+        vocab = self.model.spec.geometry.vocab_size
+        if not prompt:
+            raise InvalidRequest("prompt is empty")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) >= self.model.spec.geometry.max_context:
+            raise InvalidRequest(
+                f"prompt is {len(prompt)} tokens; the model's context is {self.model.spec.geometry.max_context}"
+            )
+        return prompt
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+            cancels, self._cancels = self._cancels, set()
+        if not cancels:
+            return
+        for r in [r for r in self.waiting if r.id in cancels]:
+            self.waiting.remove(r)
+            self._emit_final(r, "cancelled")
+        for r in [r for r in self.running if r.id in cancels]:
+            self._finish(r, reason="cancelled")
+
+    def _admit(self) -> None:
+        """Reserve KV pages in arrival order while they last; the rest wait (never crash on a full pool)."""
+        while self.waiting:
+            r = self.waiting[0]
+            if not self.pool.can_reserve(len(r.prompt_ids) + r.sampling.max_tokens):
+                return
+            self.waiting.popleft()
+            r.pages = self.pool.reserve(r.id, len(r.prompt_ids) + r.sampling.max_tokens)
+            r.status = Status.RUNNING
+            r.codec_state = self.model.new_codec_state()
+            self.running.append(r)
+
+    @torch.inference_mode()
+    def _run_lm(self, plan: list[tuple[Request, int]]) -> None:
+        ids: list[int] = []
+        positions: list[int] = []
+        seqs: list[SeqSlice] = []
+        sample_rows: list[int] = []
+        sampled: list[Request] = []
+        for r, n in plan:
+            start = r.num_cached
+            if r.prefilling:
+                ids.extend(r.prompt_ids[start : start + n])
+            else:
+                ids.append(r.output_ids[-1])
+            positions.extend(range(start, start + n))
+            seqs.append(SeqSlice(len(ids) - n, n, start, r.pages))
+            r.num_cached += n
+            if not r.prefilling:  # this chunk ends the prompt, or it is a decode: a token comes out
+                sample_rows.append(len(ids) - 1)
+                sampled.append(r)
+        self.attention.plan(seqs)
+        dev = self.device
+        hidden = self.model.forward(
+            torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.attention
+        )
+        if not sampled:
+            return
+        logits = self.model.logits(hidden[torch.tensor(sample_rows, device=dev)])
+        logits = self.model.constrain_logits(logits, torch.tensor([len(r.codes) for r in sampled], device=dev))
+        batch = SamplingBatch.build(
+            [r.sampling for r in sampled],
+            [len(r.output_ids) for r in sampled],
+            [r.prompt_ids + r.output_ids for r in sampled],
+            dev,
+        )
+        tokens = sample(logits, batch).tolist()
+        stop_ids = self.model.spec.stop_ids
+        for r, token in zip(sampled, tokens):
+            r.output_ids.append(token)
+            if token in stop_ids:
+                self._lm_finished(r, "stop")
+                continue
+            r.codes.extend(self.model.codes_from_token(token, len(r.codes)))
+            if len(r.output_ids) >= r.sampling.max_tokens:
+                self._lm_finished(r, "length")
+
+    def _lm_finished(self, r: Request, reason: str) -> None:
+        r.finish_reason = reason
+        self.pool.release(r.id)  # pages go back now, not after detokenization
+        r.pages = []
+        r.status = Status.DETOKENIZING
+        if self.detokenizer is None or self.detokenizer.finished(r):
+            self._finish(r, reason=reason)
+
+    def _schedule_detok(self, now: float, lm_busy: bool) -> list[tuple[Request, int]]:
+        if self.detokenizer is None:
+            return []
+        ready = [(r, n) for r in self.running if (n := self.detokenizer.ready(r)) > 0]
+        return self.scheduler.schedule_detok(ready, lm_busy, now, self.model.spec.window.stateful)
+
+    @torch.inference_mode()
+    def _run_detok(self, plan: list[tuple[Request, int]]) -> None:
+        for r, audio in self.detokenizer.run(plan):
+            self._send_audio(r, audio)
+            if self.detokenizer.finished(r):
+                self._finish(r, reason=r.finish_reason)
+
+    def _send_audio(self, r: Request, audio: np.ndarray) -> None:
+        now = self.clock()
+        if r.first_chunk_at is None:
+            r.first_chunk_at = now
+        seconds = len(audio) / self.model.spec.sample_rate
+        r.audio_sent_s += seconds
+        r.last_chunk_s = seconds
+        self._deliver(r, Event(r.id, EventKind.AUDIO, index=r.chunks_sent, audio=audio))
+        r.chunks_sent += 1
+
+    def _finish(self, r: Request, reason: str | None = None, error: str | None = None) -> None:
+        self.pool.release(r.id)
+        r.pages = []
+        r.status = Status.DONE
+        if r in self.running:
+            self.running.remove(r)
+        if error is not None:
+            self._deliver(r, Event(r.id, EventKind.ERROR, index=r.chunks_sent, error=error))
+        else:
+            self._emit_final(r, reason or "stop")
+
+    def _emit_final(self, r: Request, reason: str) -> None:
+        r.status = Status.DONE
+        self._deliver(
+            r, Event(r.id, EventKind.FINISHED, index=r.chunks_sent, finish_reason=reason, token_ids=list(r.output_ids))
+        )
+
+    def _deliver(self, r: Request, event: Event) -> None:
+        try:
+            r.on_event(event)
+        except Exception:  # noqa: BLE001 - a broken consumer must not stop the engine
+            log.exception("on_event callback failed for %s", r.id)
+
+    def _die(self, reason: str) -> None:
+        self.alive = False
+        self.dead_reason = reason
+        with self._lock:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+        for r in list(self.running) + list(self.waiting):
+            self._finish(r, error=f"engine stopped: {reason}")
+        self.waiting.clear()
+
+
+def make_attention(config: EngineConfig, model: SpeechModel, pool: KVPool):
+    g = model.spec.geometry
+    scale = g.head_dim**-0.5
+    if config.attention in ("auto", "torch") or not config.device.startswith("cuda"):
+        if config.attention == "flashinfer" and not config.device.startswith("cuda"):
+            raise ValueError("attention='flashinfer' needs a CUDA device")
+        return TorchPagedAttention(pool.cache, pool.page_size, pool.scratch_page, scale)
+    from voxbackend.attention.flashinfer_backend import FlashInferPagedAttention  # CUDA only
+
+    return FlashInferPagedAttention(pool.cache, pool.page_size, pool.scratch_page, scale, g)

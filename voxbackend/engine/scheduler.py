@@ -1,0 +1,117 @@
+"""Which requests run on the LM and which windows go to the detokenizer, one engine step at a time.
+
+Policies:
+- online (default): streaming-aware. A request is pressing when its listener is close to running out of audio
+  (DESIGN section 3). Pressing requests get LM slots and detokenizer windows first; the detokenizer runs only
+  when a pressing request has a window ready (or nothing else is left to do), and then also fills its
+  leftover slots with other requests' windows.
+- fcfs: continuous batching in arrival order; every ready window is decoded at once.
+- offline: fills the LM batch in arrival order and detokenizes in bulk (a full batch of windows, or whatever is
+  left when the LM has nothing to do), for batch jobs where nobody listens live.
+All policies use chunked prefill under a token budget with several prefills per step, and age requests that were
+passed over too often so that none starves. The clock is a parameter (tests use a fake one).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from voxbackend.config import EngineConfig
+from voxbackend.request import Request
+
+MAX_SKIPPED_STEPS = 8  # a request passed over this many steps in a row is treated as pressing
+
+
+@dataclass
+class StepPlan:
+    lm: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens this step)
+    detok: list[tuple[Request, int]] = field(default_factory=list)  # (request, windows this step)
+
+    def empty(self) -> bool:
+        return not self.lm and not self.detok
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+
+    def _urgent(self, r: Request, now: float) -> bool:
+        return r.pressing(now, self.config.playback_margin_s) or r.skipped_steps >= MAX_SKIPPED_STEPS
+
+    def _lm_order(self, lm_reqs: list[Request], now: float) -> list[Request]:
+        if self.config.policy != "online":
+            return sorted(lm_reqs, key=lambda r: r.arrival)
+
+        def key(r: Request):
+            if r.first_chunk_at is None and r.streaming:  # nothing played yet: time to first audio counts
+                return (1, r.arrival)
+            urgent = self._urgent(r, now)
+            return (0 if urgent else 2, r.buffer_s(now))
+
+        # streams about to stall first, then those still waiting for their first audio, then the rest
+        return sorted(lm_reqs, key=key)
+
+    def schedule_lm(self, running: list[Request], now: float) -> list[tuple[Request, int]]:
+        budget = self.config.prefill_budget
+        plan: list[tuple[Request, int]] = []
+        candidates = [r for r in running if not r.lm_done]
+        for r in self._lm_order(candidates, now):
+            if len(plan) >= self.config.max_batch or budget <= 0:
+                break
+            n = min(len(r.prompt_ids) - r.num_cached, budget) if r.prefilling else 1
+            plan.append((r, n))
+            budget -= n
+        chosen = {id(r) for r, _ in plan}
+        for r in candidates:
+            r.skipped_steps = 0 if id(r) in chosen else r.skipped_steps + 1
+        return plan
+
+    def schedule_detok(
+        self, ready: list[tuple[Request, int]], lm_busy: bool, now: float, stateful: bool
+    ) -> list[tuple[Request, int]]:
+        """ready: (request, windows ready) for requests with at least one. Returns windows to decode now."""
+        if not ready:
+            return []
+        cap = self.config.detok_batch
+        if stateful:  # a stateful codec decodes one window per request per call, in order
+            ready = [(r, 1) for r, _ in ready]
+        policy = self.config.policy
+        if policy == "fcfs":
+            return _take(sorted(ready, key=lambda x: x[0].arrival), cap)
+        if policy == "offline":
+            total = sum(n for _, n in ready)
+            if lm_busy and total < cap:
+                return []
+            return _take(sorted(ready, key=lambda x: x[0].arrival), cap)
+        urgent = [(r, n) for r, n in ready if self._urgent(r, now)]
+        if not urgent and lm_busy:
+            return []
+        others = sorted([(r, n) for r, n in ready if not self._urgent(r, now)], key=lambda x: x[0].buffer_s(now))
+        urgent.sort(key=lambda x: (x[0].first_chunk_at is not None, x[0].buffer_s(now)))
+        plan = _split(urgent, cap)
+        return plan + _take(others, cap - sum(n for _, n in plan))
+
+
+def _take(items: list[tuple[Request, int]], cap: int) -> list[tuple[Request, int]]:
+    plan = []
+    for r, n in items:
+        if cap <= 0:
+            break
+        plan.append((r, min(n, cap)))
+        cap -= plan[-1][1]
+    return plan
+
+
+def _split(items: list[tuple[Request, int]], cap: int) -> list[tuple[Request, int]]:
+    """Every urgent request gets all its ready windows; over budget, each gets a proportional share (>= 1
+    for the most urgent ones that fit)."""
+    total = sum(n for _, n in items)
+    if total <= cap:
+        return list(items)
+    plan = []
+    for r, n in items:
+        share = max(1, n * cap // total)
+        share = min(share, cap - sum(k for _, k in plan))
+        if share <= 0:
+            break
+        plan.append((r, share))
+    return plan

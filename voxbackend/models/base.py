@@ -1,0 +1,123 @@
+"""The model contract: what the engine needs to know about a SpeechLM and what it may ask it to do.
+
+A model file declares a `ModelSpec` and implements `SpeechModel`. The engine and scheduler only see this
+interface, so a new SpeechLM (one token per step like Orpheus/CosyVoice2, several codebook columns plus a depth
+transformer like CSM/Qwen3-TTS, a delay pattern like Zonos, speech-to-speech with audio features like
+Step-Audio-2) plugs in without touching them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from voxbackend.attention.base import AttentionBackend
+from voxbackend.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class LMGeometry:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+
+
+@dataclass(frozen=True)
+class WindowSpec:
+    """How codec frames are cut into detokenizer windows.
+
+    Window k ends at frame `first_frames + k * hop_frames` and spans at most `frames` frames, so consecutive
+    windows overlap by `frames - hop_frames`. A stateful codec (streaming Mimi) uses hop == frames and carries
+    its state between windows instead of overlapping.
+    """
+
+    frames: int
+    hop_frames: int
+    first_frames: int
+    flush_on_finish: bool  # decode the partial tail window when the LM stops
+    stateful: bool = False  # windows of one request must be decoded one at a time, in order
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    geometry: LMGeometry
+    sample_rate: int
+    codes_per_frame: int  # codec codes that make one frame (Orpheus: 7 tokens; CSM: 32 codebooks of one step)
+    window: WindowSpec | None  # None: a token-only model (no codec)
+    stop_ids: tuple[int, ...]
+    token_columns: int = 1  # ids per LM position (codebooks + text column for CSM / Qwen3-TTS)
+    has_depth: bool = False  # a depth transformer produces the remaining columns of each step
+
+
+@dataclass
+class Prompt:
+    """What preprocessing hands the engine. Models with audio or speaker conditioning add features."""
+
+    token_ids: list[int]
+    features: torch.Tensor | None = None  # [len, hidden] embeddings that replace token embeddings where mask
+    feature_mask: torch.Tensor | None = None  # [len] bool
+
+
+@dataclass
+class WindowJob:
+    """One detokenizer window of one request."""
+
+    request_id: str
+    index: int  # window number within its request (0, 1, ...)
+    codes: np.ndarray  # [frames, codes_per_frame] int
+    seed: int  # deterministic codec noise for this window
+    is_last: bool
+    state: Any = None  # per-request codec state for stateful codecs
+
+
+class SpeechModel:
+    """Base class: a backbone plus the model-specific rules around it."""
+
+    spec: ModelSpec
+    voices: tuple[str, ...] = ()
+
+    # --- preprocessing (CPU, off the engine thread) ---
+    def prepare(self, text: str, voice: str | None = None) -> list[int]:
+        raise NotImplementedError
+
+    def default_sampling(self) -> SamplingParams:
+        return SamplingParams()
+
+    # --- LM ---
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend) -> torch.Tensor:
+        """Flattened batch -> hidden states [T, hidden]."""
+        raise NotImplementedError
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def constrain_logits(self, logits: torch.Tensor, codes_so_far: torch.Tensor) -> torch.Tensor:
+        """Mask tokens that cannot come next (e.g. an audio code for the wrong codebook). Default: none."""
+        return logits
+
+    def depth_step(self, hidden: torch.Tensor, first_tokens: torch.Tensor, sampler) -> torch.Tensor:
+        """Models with a depth transformer: produce the remaining token columns of each row on the device."""
+        raise NotImplementedError
+
+    # --- tokens -> codec codes ---
+    def codes_from_token(self, token: int, codes_so_far: int) -> list[int]:
+        """The codec codes one generated step contributes (empty for text or control tokens)."""
+        return []
+
+    # --- codec ---
+    def detokenize(self, jobs: list[WindowJob]) -> list[np.ndarray]:
+        """A batch of windows -> float32 audio per window (the samples to play, overlap already removed)."""
+        raise NotImplementedError
+
+    def new_codec_state(self) -> Any:
+        return None
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        g = self.spec.geometry
+        return 2 * g.num_layers * g.num_kv_heads * g.head_dim * torch.tensor([], dtype=dtype).element_size()

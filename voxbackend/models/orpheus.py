@@ -1,0 +1,120 @@
+"""Orpheus-3B: a Llama-3.2 backbone that speaks SNAC 24 kHz codes, 7 tokens per 85 ms frame.
+
+Prompt, token layout, windowing and default sampling follow the official implementation (canopylabs
+orpheus-tts): the prompt is <start_of_human> "{voice}: {text}" <eot><end_of_human><start_of_ai><start_of_speech>;
+audio token t at position p of its frame is code t - 128266 - 4096 * p; every new frame, the last 4 frames are
+decoded and samples 2048-4096 (the second frame) are played.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from voxbackend.codecs.snac import SnacDecoder
+from voxbackend.errors import InvalidRequest
+from voxbackend.models.base import ModelSpec, SpeechModel, WindowJob, WindowSpec
+from voxbackend.models.checkpoint import load_safetensors, read_config
+from voxbackend.models.llama import LlamaConfig, build_llama
+from voxbackend.models.token_lm import llama_geometry
+from voxbackend.sampling_params import SamplingParams
+
+VOCAB_SIZE = 156940
+START_OF_HUMAN = 128259
+PROMPT_END = (128009, 128260, 128261, 128257)  # <eot>, <end_of_human>, <start_of_ai>, <start_of_speech>
+END_OF_SPEECH = 128258
+AUDIO_BASE = 128266
+CODEBOOK = 4096
+FRAME = 7  # tokens per SNAC frame: 1 + 2 + 4 codes of the three SNAC levels
+VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
+MAX_TEXT_CHARS = 4000
+KEEP = slice(2048, 4096)  # samples of a 4-frame window that are played
+
+
+def is_orpheus_config(hf_config: dict) -> bool:
+    return "LlamaForCausalLM" in hf_config.get("architectures", []) and hf_config.get("vocab_size") == VOCAB_SIZE
+
+
+def frames_to_snac_codes(codes: np.ndarray, device: str) -> list[torch.Tensor]:
+    """[B, frames, 7] Orpheus codes -> the three SNAC levels [B, F], [B, 2F], [B, 4F]."""
+    c = torch.as_tensor(codes, dtype=torch.long, device=device)
+    b = c.shape[0]
+    return [c[:, :, 0], c[:, :, [1, 4]].reshape(b, -1), c[:, :, [2, 3, 5, 6]].reshape(b, -1)]
+
+
+class Orpheus(SpeechModel):
+    voices = VOICES
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        codec_dir: str | Path,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        constrain_audio: bool = True,
+    ):
+        hf = read_config(model_dir)
+        self.cfg = LlamaConfig.from_hf(hf)
+        self.device = device
+        self.backbone = build_llama(self.cfg, load_safetensors(model_dir), device, dtype)
+        tokenizer_file = Path(model_dir) / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self.codec = SnacDecoder.from_pretrained(codec_dir, device=device)
+        # Real Orpheus weights emit well-formed frames on their own; the mask only removes impossible tokens.
+        self.constrain_audio = constrain_audio
+        self.spec = ModelSpec(
+            name="orpheus",
+            geometry=llama_geometry(self.cfg),
+            sample_rate=self.codec.sample_rate,
+            codes_per_frame=FRAME,
+            window=WindowSpec(frames=4, hop_frames=1, first_frames=4, flush_on_finish=False),
+            stop_ids=(END_OF_SPEECH,),
+        )
+        self._vocab_ids = torch.arange(self.cfg.vocab_size, device=device)
+
+    def prepare(self, text: str, voice: str | None = None) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidRequest(f"text must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise InvalidRequest("text is empty")
+        if len(text) > MAX_TEXT_CHARS:
+            raise InvalidRequest(f"text is {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
+        voice = voice or VOICES[0]
+        if voice not in VOICES:
+            raise InvalidRequest(f"unknown voice {voice!r}; choose one of {', '.join(VOICES)}")
+        ids = [START_OF_HUMAN, *self.tokenizer.encode(f"{voice}: {text}").ids, *PROMPT_END]
+        if len(ids) >= self.spec.geometry.max_context:
+            raise InvalidRequest(
+                f"prompt is {len(ids)} tokens; the model's context is {self.spec.geometry.max_context}"
+            )
+        return ids
+
+    def default_sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, max_tokens=1200)
+
+    def forward(self, input_ids, positions, attention):
+        return self.backbone(input_ids, positions, attention)
+
+    def logits(self, hidden):
+        return self.backbone.logits(hidden)
+
+    def constrain_logits(self, logits: torch.Tensor, codes_so_far: torch.Tensor) -> torch.Tensor:
+        if not self.constrain_audio:
+            return logits
+        low = (AUDIO_BASE + CODEBOOK * (codes_so_far % FRAME))[:, None]
+        ids = self._vocab_ids[None, :]
+        allowed = ((ids >= low) & (ids < low + CODEBOOK)) | (ids == END_OF_SPEECH)
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    def codes_from_token(self, token: int, codes_so_far: int) -> list[int]:
+        code = token - AUDIO_BASE - CODEBOOK * (codes_so_far % FRAME)
+        return [code] if 0 <= code < CODEBOOK else []
+
+    def detokenize(self, jobs: list[WindowJob]) -> list[np.ndarray]:
+        codes = np.stack([j.codes for j in jobs])  # every Orpheus window is 4 frames
+        audio = self.codec.decode(frames_to_snac_codes(codes, self.device), [j.seed for j in jobs])
+        return list(audio[:, 0, KEEP].float().cpu().numpy())

@@ -1,0 +1,47 @@
+"""Choose the model class from a checkpoint's config.json."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from voxbackend.models.base import SpeechModel
+from voxbackend.models.checkpoint import read_config
+
+CODEC_FOLDERS = ("snac_24khz", "snac")  # where a codec is looked for when none is given
+
+
+def find_codec_dir(model_dir: Path) -> Path | None:
+    for base in (model_dir, model_dir.parent):
+        for name in CODEC_FOLDERS:
+            if (base / name / "config.json").is_file():
+                return base / name
+    return None
+
+
+def load_model(
+    model_dir: str | Path, codec_dir: str | Path | None, device: str, dtype: torch.dtype, kind: str | None = None
+) -> SpeechModel:
+    model_dir = Path(model_dir)
+    hf = read_config(model_dir)
+    if kind is None:
+        from voxbackend.models.orpheus import is_orpheus_config
+
+        kind = "orpheus" if is_orpheus_config(hf) else "llama"
+    if kind == "orpheus":
+        from voxbackend.models.orpheus import Orpheus
+
+        codec = Path(codec_dir) if codec_dir else find_codec_dir(model_dir)
+        if codec is None:
+            raise FileNotFoundError(
+                f"Orpheus needs the SNAC 24 kHz codec folder (hubertsiuzdak/snac_24khz); pass codec_dir or put it "
+                f"at {model_dir / 'snac_24khz'}"
+            )
+        return Orpheus(model_dir, codec, device, dtype)
+    if kind == "llama":
+        if "LlamaForCausalLM" not in hf.get("architectures", ["LlamaForCausalLM"]):
+            raise ValueError(f"unsupported architecture {hf.get('architectures')} in {model_dir}")
+        from voxbackend.models.token_lm import TokenLM
+
+        return TokenLM(model_dir, device, dtype)
+    raise ValueError(f"unknown model kind {kind!r} (known: orpheus, llama)")

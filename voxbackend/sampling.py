@@ -1,0 +1,92 @@
+"""Batched sampling with per-row parameters, on the device.
+
+Every row is processed independently, so a request's tokens do not depend on what else is in the batch: the
+random draw for row r at step n is a hash of (seed_r, n), not a shared generator's next value. Order of
+operations: repetition penalty, then greedy rows take argmax; others apply temperature, top-k, top-p, min-p
+and draw by inverse CDF.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from voxbackend.sampling_params import SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+
+
+def uniform_from_seed(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Counter-based uniform in [0, 1): a 32-bit integer hash of (seed, step); all products stay below 2**63."""
+    x = (seed * 0x2545F491 + step * 0x5851F42D + 0x27D4EB2F) & _MASK32
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
+    x = ((x ^ (x >> 15)) * 0x446CA68B) & _MASK32
+    x = x ^ (x >> 16)
+    return (x >> 8).to(torch.float32) / float(1 << 24)
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [B] float
+    top_k: torch.Tensor  # [B] long, 0 = off
+    top_p: torch.Tensor  # [B] float
+    min_p: torch.Tensor  # [B] float
+    penalty: torch.Tensor  # [B] float
+    seed: torch.Tensor  # [B] long
+    step: torch.Tensor  # [B] long: tokens generated so far
+    history: torch.Tensor | None  # [B, L] long, -1 padded: tokens the repetition penalty looks at
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], steps: list[int], histories: list[list[int]], device) -> "SamplingBatch":
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        history = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            width = max(len(h) for h in histories)
+            rows = [h + [-1] * (width - len(h)) for h in histories]
+            history = t(rows, torch.long)
+        return cls(
+            temperature=t([p.temperature for p in params], torch.float32),
+            top_k=t([p.top_k for p in params], torch.long),
+            top_p=t([p.top_p for p in params], torch.float32),
+            min_p=t([p.min_p for p in params], torch.float32),
+            penalty=t([p.repetition_penalty for p in params], torch.float32),
+            seed=t([p.seed for p in params], torch.long),
+            step=t(steps, torch.long),
+            history=history,
+        )
+
+
+def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """Seen tokens: positive logits divided by the penalty, negative ones multiplied (the CTRL/HF/vLLM rule)."""
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    valid = history >= 0
+    seen.scatter_(1, history.clamp(min=0), valid)
+    p = penalty[:, None]
+    penalized = torch.where(logits > 0, logits / p, logits * p)
+    return torch.where(seen, penalized, logits)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits [B, V] float32 -> token ids [B]."""
+    if batch.history is not None:
+        logits = apply_repetition_penalty(logits, batch.history, batch.penalty)
+    greedy = logits.argmax(dim=-1)
+    if bool((batch.temperature == 0).all()):
+        return greedy
+    temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
+    sorted_logits, order = torch.sort(logits / temp[:, None], dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    drop = (batch.top_k[:, None] > 0) & (rank >= batch.top_k[:, None])
+    cum_before = probs.cumsum(dim=-1) - probs
+    drop |= cum_before >= batch.top_p[:, None]  # keeps the smallest prefix whose mass reaches top_p
+    drop |= probs < batch.min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False  # the most likely token always survives
+    probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.cumsum(dim=-1)
+    u = uniform_from_seed(batch.seed, batch.step) * cdf[:, -1]
+    pick = torch.searchsorted(cdf, u[:, None], right=True).clamp(max=probs.shape[-1] - 1)
+    sampled = order.gather(1, pick).squeeze(1)
+    return torch.where(batch.temperature == 0, greedy, sampled)
