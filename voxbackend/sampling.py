@@ -35,9 +35,12 @@ class SamplingBatch:
     seed: torch.Tensor  # [B] long
     step: torch.Tensor  # [B] long: tokens generated so far
     history: torch.Tensor | None  # [B, L] long, -1 padded: tokens the repetition penalty looks at
+    vocab_size: int
 
     @classmethod
-    def build(cls, params: list[SamplingParams], steps: list[int], histories: list[list[int]], device) -> "SamplingBatch":
+    def build(
+        cls, params: list[SamplingParams], steps: list[int], histories: list[list[int]], vocab_size: int, device
+    ) -> "SamplingBatch":
         def t(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device)
 
@@ -55,24 +58,28 @@ class SamplingBatch:
             seed=t([p.seed for p in params], torch.long),
             step=t(steps, torch.long),
             history=history,
+            vocab_size=vocab_size,
         )
 
 
-def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+def apply_repetition_penalty(
+    logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor, token_ids: torch.Tensor | None, vocab: int
+) -> torch.Tensor:
     """Seen tokens: positive logits divided by the penalty, negative ones multiplied (the CTRL/HF/vLLM rule)."""
-    seen = torch.zeros_like(logits, dtype=torch.bool)
-    valid = history >= 0
-    seen.scatter_(1, history.clamp(min=0), valid)
+    seen = torch.zeros((logits.shape[0], vocab), dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, history.clamp(min=0), history >= 0)
+    seen = seen if token_ids is None else seen.gather(1, token_ids)
     p = penalty[:, None]
     penalized = torch.where(logits > 0, logits / p, logits * p)
     return torch.where(seen, penalized, logits)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B]."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, C] float32 over candidates `token_ids` [B, C] (None: C is the whole vocab) -> token ids [B]."""
     if batch.history is not None:
-        logits = apply_repetition_penalty(logits, batch.history, batch.penalty)
-    greedy = logits.argmax(dim=-1)
+        logits = apply_repetition_penalty(logits, batch.history, batch.penalty, token_ids, batch.vocab_size)
+    to_ids = (lambda idx: idx) if token_ids is None else (lambda idx: token_ids.gather(1, idx[:, None])[:, 0])
+    greedy = to_ids(logits.argmax(dim=-1))
     if bool((batch.temperature == 0).all()):
         return greedy
     temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
@@ -88,5 +95,5 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     cdf = probs.cumsum(dim=-1)
     u = uniform_from_seed(batch.seed, batch.step) * cdf[:, -1]
     pick = torch.searchsorted(cdf, u[:, None], right=True).clamp(max=probs.shape[-1] - 1)
-    sampled = order.gather(1, pick).squeeze(1)
+    sampled = to_ids(order.gather(1, pick).squeeze(1))
     return torch.where(batch.temperature == 0, greedy, sampled)

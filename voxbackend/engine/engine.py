@@ -271,15 +271,17 @@ class Engine:
         )
         if not sampled:
             return
-        logits = self.model.logits(hidden[torch.tensor(sample_rows, device=dev)])
-        logits = self.model.constrain_logits(logits, torch.tensor([len(r.codes) for r in sampled], device=dev))
+        logits, token_ids = self.model.candidate_logits(
+            hidden[torch.tensor(sample_rows, device=dev)], torch.tensor([len(r.codes) for r in sampled], device=dev)
+        )
         batch = SamplingBatch.build(
             [r.sampling for r in sampled],
             [len(r.output_ids) for r in sampled],
             [r.prompt_ids + r.output_ids for r in sampled],
+            self.model.spec.geometry.vocab_size,
             dev,
         )
-        tokens = sample(logits, batch).tolist()
+        tokens = sample(logits, batch, token_ids).tolist()
         stop_ids = self.model.spec.stop_ids
         for r, token in zip(sampled, tokens):
             r.output_ids.append(token)

@@ -97,9 +97,13 @@ class SpeechModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def constrain_logits(self, logits: torch.Tensor, codes_so_far: torch.Tensor) -> torch.Tensor:
-        """Mask tokens that cannot come next (e.g. an audio code for the wrong codebook). Default: none."""
-        return logits
+    def candidate_logits(self, hidden: torch.Tensor, codes_so_far: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits over the tokens that may come next, and their ids ([B, C] each; None = the whole vocab).
+
+        A model whose next token must come from a small set (Orpheus: one codebook's 4096 codes or the stop
+        token) computes and samples only that set, which is exact and much cheaper than the full vocab.
+        """
+        return self.logits(hidden), None
 
     def depth_step(self, hidden: torch.Tensor, first_tokens: torch.Tensor, sampler) -> torch.Tensor:
         """Models with a depth transformer: produce the remaining token columns of each row on the device."""

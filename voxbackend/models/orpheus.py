@@ -26,6 +26,7 @@ START_OF_HUMAN = 128259
 PROMPT_END = (128009, 128260, 128261, 128257)  # <eot>, <end_of_human>, <start_of_ai>, <start_of_speech>
 END_OF_SPEECH = 128258
 AUDIO_BASE = 128266
+SPECIAL_BASE = 128256  # <custom_token_0>; END_OF_SPEECH and all audio codes lie above it
 CODEBOOK = 4096
 FRAME = 7  # tokens per SNAC frame: 1 + 2 + 4 codes of the three SNAC levels
 VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
@@ -74,7 +75,10 @@ class Orpheus(SpeechModel):
             window=WindowSpec(frames=4, hop_frames=1, first_frames=4, flush_on_finish=False),
             stop_ids=(END_OF_SPEECH,),
         )
-        self._vocab_ids = torch.arange(self.cfg.vocab_size, device=device)
+        # lm_head rows of the custom tokens (stop + audio codes), so constrained steps skip the text vocab
+        self._audio_head = self.backbone.lm_head.weight[SPECIAL_BASE:]
+        self._codebook_offsets = torch.arange(CODEBOOK, device=device)[None, :]
+        self._stop = torch.tensor([[END_OF_SPEECH]], device=device)
 
     def prepare(self, text: str, voice: str | None = None) -> list[int]:
         if not isinstance(text, str):
@@ -102,13 +106,14 @@ class Orpheus(SpeechModel):
     def logits(self, hidden):
         return self.backbone.logits(hidden)
 
-    def constrain_logits(self, logits: torch.Tensor, codes_so_far: torch.Tensor) -> torch.Tensor:
+    def candidate_logits(self, hidden: torch.Tensor, codes_so_far: torch.Tensor):
         if not self.constrain_audio:
-            return logits
-        low = (AUDIO_BASE + CODEBOOK * (codes_so_far % FRAME))[:, None]
-        ids = self._vocab_ids[None, :]
-        allowed = ((ids >= low) & (ids < low + CODEBOOK)) | (ids == END_OF_SPEECH)
-        return logits.masked_fill(~allowed, float("-inf"))
+            return self.logits(hidden), None
+        # the next token is a code of codebook position p (4096 ids) or the stop token
+        low = AUDIO_BASE + CODEBOOK * (codes_so_far % FRAME)
+        ids = torch.cat([low[:, None] + self._codebook_offsets, self._stop.expand(len(low), 1)], dim=1)
+        block = hidden @ self._audio_head.T
+        return block.float().gather(1, ids - SPECIAL_BASE), ids
 
     def codes_from_token(self, token: int, codes_so_far: int) -> list[int]:
         code = token - AUDIO_BASE - CODEBOOK * (codes_so_far % FRAME)
