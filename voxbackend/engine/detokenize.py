@@ -18,8 +18,8 @@ def window_count(spec: WindowSpec, n_frames: int, lm_done: bool) -> int:
 
 
 def window_bounds(spec: WindowSpec, k: int, n_frames: int) -> tuple[int, int]:
-    end = min(spec.first_frames + k * spec.hop_frames, n_frames)
-    return max(0, end - spec.frames) if k else 0, end
+    end = spec.first_frames + k * spec.hop_frames  # a flushed tail window is cut short, not shifted
+    return max(0, end - spec.frames) if k else 0, min(end, n_frames)
 
 
 def window_seed(request_seed: int, k: int) -> int:
