@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment with everything the server, tests and benchmarks need.
+# CPU machines get the CPU build of torch 2.13.0; a plain `torch` requirement would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VOXBACKEND_VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+"$VENV/bin/python" -m pip install -q "torch==2.13.0"
+"$VENV/bin/python" -m pip install -q -e ".[test,triton,perf]"
+# perf_analyzer (inside the tritonclient 2.51.0 wheel) links against libb64
+if ! ldconfig -p 2>/dev/null | grep -q libb64.so.0d; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && apt-get install -y -qq libb64-0d) >/dev/null 2>&1 || echo "warning: could not install libb64-0d; perf_analyzer tests will skip"
+  fi
+fi
+echo "$VENV"

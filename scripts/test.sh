@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The project's test command: sets up the environment, then runs the whole suite (CPU only, ~10 minutes).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="$(bash scripts/setup_env.sh | tail -n 1)"
+exec "$VENV/bin/python" -m pytest -q "$@"
