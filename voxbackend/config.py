@@ -28,6 +28,8 @@ class EngineConfig:
         for name in ("max_batch", "kv_pages", "page_size", "prefill_budget", "max_queue", "detok_batch"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.attention not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"attention must be auto, torch or flashinfer, got {self.attention!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 

@@ -358,12 +358,19 @@ class Engine:
 
 
 def make_attention(config: EngineConfig, model: SpeechModel, pool: KVPool):
+    """torch on CPU or when asked; FlashInfer on CUDA when it imports ("auto") or when asked."""
     g = model.spec.geometry
     scale = g.head_dim**-0.5
-    if config.attention in ("auto", "torch") or not config.device.startswith("cuda"):
-        if config.attention == "flashinfer" and not config.device.startswith("cuda"):
-            raise ValueError("attention='flashinfer' needs a CUDA device")
-        return TorchPagedAttention(pool.cache, pool.page_size, pool.scratch_page, scale)
-    from voxbackend.attention.flashinfer_backend import FlashInferPagedAttention  # CUDA only
+    on_cuda = config.device.startswith("cuda")
+    if config.attention == "flashinfer" and not on_cuda:
+        raise ValueError("attention='flashinfer' needs a CUDA device")
+    if on_cuda and config.attention in ("auto", "flashinfer"):
+        try:
+            from voxbackend.attention.flashinfer_backend import FlashInferPagedAttention
 
-    return FlashInferPagedAttention(pool.cache, pool.page_size, pool.scratch_page, scale, g)
+            return FlashInferPagedAttention(pool.cache, pool.page_size, pool.scratch_page, scale, g)
+        except ImportError:
+            if config.attention == "flashinfer":
+                raise
+            log.warning("flashinfer is not installed; using the torch attention backend")
+    return TorchPagedAttention(pool.cache, pool.page_size, pool.scratch_page, scale)

@@ -1,0 +1,67 @@
+"""Paged attention through FlashInfer's batch wrappers (CUDA only), behind the torch backend's interface.
+
+One plan per step serves every layer. Steps where every row is a decode use the decode wrapper; steps with any
+prefill chunk use the prefill wrapper, whose causal mask aligns each sequence's queries to the end of its keys
+(query i of a chunk of n sees keys up to context + i), which covers decode rows in the same batch too.
+Keys/values are written with the same slot mapping as the torch backend, so both share one KV pool layout:
+per layer (k, v) each [pages, page_size, kv_heads, head_dim] ("NHD").
+"""
+from __future__ import annotations
+
+import torch
+
+from voxbackend.attention.base import SeqSlice
+from voxbackend.models.base import LMGeometry
+
+WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+class FlashInferPagedAttention:
+    def __init__(self, kv_cache: torch.Tensor, page_size: int, scratch_page: int, scale: float, geometry: LMGeometry):
+        import flashinfer  # imported here so CPU installs never need it
+
+        self.kv_cache = kv_cache
+        self.page_size = page_size
+        self.scale = scale
+        self.geometry = geometry
+        device = kv_cache.device
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+        self.slot_mapping: torch.Tensor | None = None
+        self.wrapper = None
+
+    def plan(self, seqs: list[SeqSlice]) -> None:
+        ps = self.page_size
+        qo_indptr, kv_indptr, kv_indices, last_len, slots = [0], [0], [], [], []
+        for s in seqs:
+            total = s.context_len + s.q_len
+            used = (total + ps - 1) // ps
+            kv_indices.extend(s.pages[:used])
+            kv_indptr.append(kv_indptr[-1] + used)
+            last_len.append(total - (used - 1) * ps)
+            qo_indptr.append(qo_indptr[-1] + s.q_len)
+            slots.extend(s.pages[p // ps] * ps + p % ps for p in range(s.context_len, total))
+        device = self.kv_cache.device
+        as_i32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+        g = self.geometry
+        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        if all(s.q_len == 1 for s in seqs):
+            self.decode.plan(
+                as_i32(kv_indptr), as_i32(kv_indices), as_i32(last_len), g.num_heads, g.num_kv_heads, g.head_dim,
+                ps, sm_scale=self.scale, q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype,
+            )
+            self.wrapper = self.decode
+        else:
+            self.prefill.plan(
+                as_i32(qo_indptr), as_i32(kv_indptr), as_i32(kv_indices), as_i32(last_len), g.num_heads,
+                g.num_kv_heads, g.head_dim, ps, causal=True, sm_scale=self.scale, q_data_type=self.kv_cache.dtype,
+                kv_data_type=self.kv_cache.dtype,
+            )
+            self.wrapper = self.prefill
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+        return self.wrapper.run(q.to(k_cache.dtype), (k_cache, v_cache)).to(q.dtype)
