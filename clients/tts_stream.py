@@ -1,0 +1,221 @@
+"""Stream one text to speech through Triton (tritonclient gRPC streaming) and write a WAV file.
+
+    python -m clients.tts_stream --url localhost:8001 --model orpheus --text "Hello there." --out hello.wav
+
+Prints time to first audio (TTFA), chunks, stalls and on-time chunks (DESIGN section 4), audio seconds and
+"x real time" (audio seconds / wall seconds, higher is better). Works with the `orpheus` ensemble (AUDIO is
+encoded bytes, PCM16 or float32) and with `orpheus_engine` directly (AUDIO is float32 samples).
+"""
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+SAMPLING_DTYPES = {"TEMPERATURE": np.float32, "TOP_P": np.float32, "TOP_K": np.int32, "MIN_P": np.float32,
+                   "REPETITION_PENALTY": np.float32, "MAX_TOKENS": np.int32, "SEED": np.int64}
+_NP_TO_TRITON = {np.float32: "FP32", np.int32: "INT32", np.int64: "INT64"}
+
+
+def make_inputs(text: str | bytes | None, voice: str | None = None, audio_format: str | None = None,
+                **sampling) -> list:
+    """Request tensors by name; sampling keys are the tensor names (TEMPERATURE=0.6, SEED=7, ...)."""
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name: str, value: np.ndarray, dtype: str):
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        return t
+
+    def text_tensor(name: str, value: str | bytes):
+        return tensor(name, np.array([value.encode() if isinstance(value, str) else value], dtype=np.object_), "BYTES")
+
+    inputs = [text_tensor("TEXT", text)] if text is not None else []
+    if voice:
+        inputs.append(text_tensor("VOICE", voice))
+    if audio_format:
+        inputs.append(text_tensor("AUDIO_FORMAT", audio_format))
+    for name, value in sampling.items():
+        if value is None:
+            continue
+        if name not in SAMPLING_DTYPES:
+            raise ValueError(f"unknown sampling field {name}; known: {', '.join(SAMPLING_DTYPES)}")
+        dtype = SAMPLING_DTYPES[name]
+        inputs.append(tensor(name, np.array([value], dtype=dtype), _NP_TO_TRITON[dtype]))
+    return inputs
+
+
+def response_audio(result, audio_format: str) -> np.ndarray:
+    """One response's AUDIO as float32: encoded bytes from the ensemble, float samples from an engine."""
+    audio = result.as_numpy("AUDIO")
+    if audio is None:
+        return np.zeros(0, np.float32)
+    if audio.dtype == np.object_:  # ensemble: one element of raw little-endian bytes
+        data = bytes(audio.reshape(-1)[0]) if audio.size else b""
+        if audio_format == "fp32":
+            return np.frombuffer(data, dtype="<f4").astype(np.float32)
+        return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32767.0
+    return audio.astype(np.float32).reshape(-1)
+
+
+def _scalar(result, name: str, default=None):
+    value = result.as_numpy(name)
+    if value is None or value.size == 0:
+        return default
+    item = value.reshape(-1)[0]
+    return item.decode() if isinstance(item, bytes) else item.item()
+
+
+@dataclass
+class StreamOutcome:
+    """What the client saw of one request; times are time.monotonic() seconds."""
+
+    send_time: float
+    chunks: list[np.ndarray] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+    sample_rate: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    end_time: float | None = None
+    responses: int = 0  # every callback for this request, audio or final or error
+    late_responses: int = 0  # callbacks after the final response or error (should stay 0)
+
+    @property
+    def audio(self) -> np.ndarray:
+        return np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.float32)
+
+    @property
+    def audio_s(self) -> float:
+        return sum(c.size for c in self.chunks) / self.sample_rate if self.sample_rate else 0.0
+
+    @property
+    def ttfa_s(self) -> float | None:
+        return self.arrivals[0] - self.send_time if self.arrivals else None
+
+    def on_time(self) -> list[bool]:
+        """DESIGN section 4: chunk i >= 1 is on time if chunks 0..i-1 hold more audio than the time since chunk 0."""
+        flags, buffered = [], 0.0
+        for i in range(1, len(self.chunks)):
+            buffered += self.chunks[i - 1].size / self.sample_rate
+            flags.append(buffered > self.arrivals[i] - self.arrivals[0])
+        return flags
+
+    @property
+    def stalls(self) -> int:
+        return sum(not ok for ok in self.on_time())
+
+    @property
+    def wall_s(self) -> float:
+        return (self.end_time or time.monotonic()) - self.send_time
+
+
+def stream_request(url: str, model: str, inputs: list, audio_format: str = "pcm16", timeout: float = 300.0,
+                   cancel_after_chunks: int | None = None, request_id: str = "tts",
+                   linger_s: float = 0.0) -> StreamOutcome:
+    """Send one request on its own gRPC stream and collect every response until the final one.
+
+    cancel_after_chunks: stop the stream with cancel_requests=True after that many audio chunks (a client that
+    hangs up); the outcome then has finish_reason "client-cancelled".
+    linger_s: keep listening that long after the final response or error and count late_responses (tests).
+    """
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    client.start_stream(callback=lambda result, error: responses.put((time.monotonic(), result, error)))
+    out = StreamOutcome(send_time=time.monotonic())
+    cancelled = False
+    try:
+        client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
+        deadline = out.send_time + timeout
+        while True:
+            try:
+                t, result, error = responses.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                out.error = f"timed out after {timeout} s"
+                break
+            out.responses += 1
+            if error is not None:
+                out.error, out.end_time = str(error), t
+                break
+            audio = response_audio(result, audio_format)
+            out.sample_rate = int(_scalar(result, "SAMPLE_RATE", out.sample_rate) or 0)
+            if audio.size:
+                out.chunks.append(audio)
+                out.arrivals.append(t)
+                out.indices.append(int(_scalar(result, "CHUNK_INDEX", len(out.indices))))
+            params = result.get_response().parameters
+            final = params["triton_final_response"].bool_param if "triton_final_response" in params else False
+            if final or _scalar(result, "FINAL", False):
+                out.finish_reason, out.end_time = _scalar(result, "FINISH_REASON", "") or None, t
+                if final:
+                    break
+            if cancel_after_chunks is not None and len(out.chunks) >= cancel_after_chunks:
+                cancelled = True
+                out.finish_reason, out.end_time = "client-cancelled", time.monotonic()
+                break
+        if linger_s > 0 and not cancelled:
+            time.sleep(linger_s)
+            while not responses.empty():
+                responses.get()
+                out.late_responses += 1
+    finally:
+        client.stop_stream(cancel_requests=cancelled or out.error is not None)
+        client.close()
+    return out
+
+
+def write_wav(path: str | Path, audio: np.ndarray, sample_rate: int) -> None:
+    import soundfile as sf
+
+    sf.write(str(path), audio, sample_rate, subtype="PCM_16")
+
+
+def report(out: StreamOutcome) -> str:
+    on_time = out.on_time()
+    pct = f"{100.0 * sum(on_time) / len(on_time):.0f}%" if on_time else "-"
+    ttfa = f"{1000 * out.ttfa_s:.0f} ms" if out.ttfa_s is not None else "-"
+    xrt = out.audio_s / out.wall_s if out.wall_s > 0 else 0.0
+    return (f"TTFA {ttfa} | chunks {len(out.chunks)} | stalls {out.stalls} (on-time chunks {pct}) | "
+            f"audio {out.audio_s:.2f} s in {out.wall_s:.2f} s wall = {xrt:.2f}x real time "
+            f"(audio s / wall s) | finish {out.finish_reason or out.error}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address")
+    ap.add_argument("--model", default="orpheus", help="orpheus (ensemble) or orpheus_engine")
+    ap.add_argument("--text", default="Hello there, this is a streaming speech server.")
+    ap.add_argument("--voice", default=None)
+    ap.add_argument("--format", default="pcm16", choices=("pcm16", "fp32"), help="AUDIO_FORMAT (ensemble)")
+    ap.add_argument("--temperature", type=float)
+    ap.add_argument("--top-p", type=float)
+    ap.add_argument("--top-k", type=int)
+    ap.add_argument("--min-p", type=float)
+    ap.add_argument("--repetition-penalty", type=float)
+    ap.add_argument("--max-tokens", type=int)
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--out", default="out.wav", help="WAV file to write")
+    a = ap.parse_args(argv)
+    inputs = make_inputs(a.text, a.voice, a.format, TEMPERATURE=a.temperature, TOP_P=a.top_p, TOP_K=a.top_k,
+                         MIN_P=a.min_p, REPETITION_PENALTY=a.repetition_penalty, MAX_TOKENS=a.max_tokens,
+                         SEED=a.seed)
+    out = stream_request(a.url, a.model, inputs, a.format, a.timeout)
+    print(report(out))
+    if out.error:
+        print(f"error: {out.error}", file=sys.stderr)
+        return 1
+    write_wav(a.out, out.audio, out.sample_rate or 24000)
+    print(f"wrote {a.out} ({out.sample_rate} Hz)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The `voxbackend` command.
+
+    voxbackend serve                       # tritonserver on the model repository (tiny default checkpoint)
+    voxbackend serve --checkpoint /ckpt/orpheus-3b --codec /ckpt/snac_24khz --set max_batch=64
+    voxbackend demo --text "Hello." --out hello.wav   # serve, stream one sentence to a WAV, stop
+    voxbackend make-checkpoint [--root DIR]            # build (or find) the tiny default checkpoint
+    voxbackend configs [--check]                       # regenerate / verify model_repository/*/config.pbtxt
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from voxbackend.triton import configs
+from voxbackend.triton.loading import import_object
+from voxbackend.triton.server import TritonServer
+
+_PARAM = re.compile(r'parameters \{ key: "(\w+)" value: \{ string_value: "([^"]*)" \} \}')
+
+
+def default_repository() -> Path:
+    local = Path.cwd() / "model_repository"
+    return local if (local / configs.POSTPROCESS).is_dir() else configs.DEFAULT_REPOSITORY
+
+
+def ensure_default_checkpoints(repository: Path) -> None:
+    """Build the default checkpoint up front for every engine that has none configured (not inside a stub)."""
+    makers = set()
+    for config in Path(repository).glob("*/config.pbtxt"):
+        params = dict(_PARAM.findall(config.read_text()))
+        if "default_checkpoint" in params and not params.get("checkpoint"):
+            makers.add(params["default_checkpoint"])
+    for spec in sorted(makers):
+        model_dir, codec_dir = import_object(spec)()
+        print(f"default checkpoint: {model_dir} (codec {codec_dir})", flush=True)
+
+
+def repository_for(args: argparse.Namespace) -> Path:
+    """The repository as given, or a rendered copy when engine parameters are overridden."""
+    overrides = dict(kv.split("=", 1) for kv in args.set)
+    if args.checkpoint:
+        overrides["checkpoint"] = str(Path(args.checkpoint).resolve())
+    if args.codec:
+        overrides["codec"] = str(Path(args.codec).resolve())
+    if not overrides:
+        return Path(args.model_repository)
+    dest = Path(args.work_dir or tempfile.mkdtemp(prefix="voxbackend-")) / "model_repository"
+    configs.write_repository(dest, overrides, source=Path(args.model_repository))
+    print(f"rendered {dest} with {overrides}", flush=True)
+    return dest
+
+
+def make_server(args: argparse.Namespace) -> TritonServer:
+    repository = repository_for(args)
+    ensure_default_checkpoints(repository)
+    return TritonServer(repository, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                        metrics_port=args.metrics_port, log_verbose=args.log_verbose,
+                        log_file=Path(args.log_file) if args.log_file else None,
+                        work_dir=Path(args.work_dir) if args.work_dir else None)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    server = make_server(args)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start(timeout=args.timeout)
+    print(f"ready: grpc {server.grpc_url}  http {server.http_url}  metrics {server.metrics_url}\n"
+          f"log: {server.log_file}  (Ctrl-C stops)", flush=True)
+    while not stop.wait(1.0):
+        if server.proc.poll() is not None:
+            print(f"tritonserver exited with {server.proc.returncode}:\n{server.log_tail()}", file=sys.stderr)
+            return 1
+    code = server.stop()
+    print(f"stopped (exit {code})")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    client = configs.REPO_ROOT / "clients" / "tts_stream.py"
+    if not client.is_file():
+        print("demo needs a source checkout (clients/tts_stream.py)", file=sys.stderr)
+        return 2
+    with make_server(args) as server:
+        print(f"server ready on {server.grpc_url}; streaming...", flush=True)
+        return subprocess.call([sys.executable, "-m", "clients.tts_stream", "--url", server.grpc_url,
+                                "--model", args.model, "--text", args.text, "--out", str(Path(args.out).resolve()),
+                                *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])],
+                               cwd=configs.REPO_ROOT)
+
+
+def cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    from voxbackend.tools.tiny_checkpoint import ensure_default_checkpoint
+
+    model_dir, codec_dir = ensure_default_checkpoint(args.root)
+    print(f"model: {model_dir}\ncodec: {codec_dir}")
+    return 0
+
+
+def _server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-repository", default=str(default_repository()))
+    p.add_argument("--checkpoint", help="SpeechLM folder (Hugging Face layout); default: the tiny default checkpoint")
+    p.add_argument("--codec", help="codec folder (e.g. snac_24khz)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="engine parameter override, e.g. max_batch=64, kv_pages=4096, device=cuda, policy=fcfs")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--work-dir", help="where the backend folder, rendered repository and log go")
+    p.add_argument("--log-file")
+    p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="voxbackend", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run tritonserver on the model repository until Ctrl-C")
+    _server_args(serve)
+    serve.set_defaults(func=cmd_serve)
+    demo = sub.add_parser("demo", help="serve on free ports, stream one sentence to a WAV file, stop")
+    _server_args(demo)
+    demo.add_argument("--model", default="orpheus")
+    demo.add_argument("--text", default="Hello there, this is a streaming speech server.")
+    demo.add_argument("--max-tokens", type=int, default=None)
+    demo.add_argument("--out", default="hello.wav")
+    demo.set_defaults(func=cmd_demo, host="127.0.0.1", http_port=0, grpc_port=0, metrics_port=0)
+    mk = sub.add_parser("make-checkpoint", help="build or reuse the tiny default checkpoint")
+    mk.add_argument("--root", default=None, help="default: $VOXBACKEND_CACHE or ~/.cache/voxbackend/default")
+    mk.set_defaults(func=cmd_make_checkpoint)
+    cfg = sub.add_parser("configs", help="regenerate (or --check) model_repository/*/config.pbtxt")
+    cfg.add_argument("--check", action="store_true")
+    cfg.set_defaults(func=lambda a: configs.main(["--check"] if a.check else []))
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Decoupled Triton model hosting one voxbackend engine per instance.
+
+execute() only parses, submits and returns; the engine runs on its own thread and hands events to the single
+response thread (streams.ResponseLoop), which sends chunks, polls cancellation and ends every stream.
+Nothing here knows which SpeechLM it serves: prompt building and defaults come from engine.model.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from voxbackend.errors import EngineDead, EngineOverloaded, InvalidRequest
+from voxbackend.triton import fields
+from voxbackend.triton.cancel_channel import CancelListener
+from voxbackend.triton.loading import instance_settings, load_engine, model_parameters
+from voxbackend.triton.metrics import TritonMetrics
+from voxbackend.triton.pb_glue import TritonResponder, input_getter, route_logging
+from voxbackend.triton.schema import DEFAULT_AUDIO_FORMAT
+from voxbackend.triton.streams import ResponseLoop, Stream
+
+
+class EngineModel:
+    """The TritonPythonModel of every `<model>_engine` folder."""
+
+    def initialize(self, args: dict) -> None:
+        import triton_python_backend_utils as pb_utils  # only importable inside the stub
+
+        self.pb = pb_utils
+        route_logging(pb_utils)
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise ValueError(f"{args['model_name']} must set model_transaction_policy {{ decoupled: true }}")
+        settings = instance_settings(
+            model_parameters(config), args.get("model_instance_kind", "CPU"),
+            int(args.get("model_instance_device_id", 0) or 0))
+        self.engine = load_engine(settings)
+        self.model = self.engine.model
+        self.sample_rate = int(self.model.spec.sample_rate)
+        self.metrics = TritonMetrics(pb_utils, args["model_name"], args.get("model_instance_name", "0"))
+        self.loop = ResponseLoop(self.engine, self.metrics)
+        self.loop.start()
+        self.cancels = CancelListener(self.loop.request_cancel)
+        self.engine.start()
+        pb_utils.Logger.log_info(
+            f"{args['model_name']}: engine up ({self.model.spec.name}, {settings.checkpoint}, "
+            f"{settings.engine_options})")
+
+    def execute(self, requests) -> None:
+        for request in requests:
+            self._enqueue(request)
+        return None  # decoupled: responses go through the response thread
+
+    def _enqueue(self, request) -> None:
+        arrived = time.monotonic()
+        request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
+        get = input_getter(self.pb, request)
+        try:
+            fmt = fields.audio_format(get)
+        except InvalidRequest:
+            fmt = DEFAULT_AUDIO_FORMAT  # reported below, once the stream exists
+        responder = TritonResponder(self.pb, request.get_response_sender())
+        self.loop.add(Stream(request_id, responder, fmt, arrived, self.sample_rate,
+                             stream_id=self.cancels.stream_id(request_id)))
+        try:
+            fields.audio_format(get)
+            ids = fields.prompt_ids(get)
+            if ids is None:
+                ids = self.model.prepare(*fields.text_and_voice(get))
+            sampling = fields.sampling(get, self.model.default_sampling())
+            self.engine.submit(ids, sampling, self.loop.on_event, request_id=request_id)
+        except (InvalidRequest, EngineOverloaded, EngineDead) as e:
+            self.loop.reject(request_id, f"{type(e).__name__}: {e}")
+        except Exception as e:  # never raise out of execute: the stream would never end
+            self.loop.reject(request_id, f"internal error: {type(e).__name__}: {e}")
+
+    def finalize(self) -> None:
+        self.cancels.close()
+        self.loop.stop("the model is being unloaded")
+        self.engine.shutdown()

@@ -1,0 +1,192 @@
+"""A weights-free stand-in with the Engine API, for exercising the Triton glue (tests, fault injection).
+
+Select it with the engine parameters `engine_loader: voxbackend.triton.fake_engine:load` and
+`frontend_loader: voxbackend.triton.fake_engine:load_frontend`. Audio is a deterministic function of the
+prompt and seed; one chunk per `step_s` per running request; KV pages are reserved at admission and freed on
+finish or cancel like the real engine. A text containing "__die__" kills the loop (an engine failure).
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from voxbackend.errors import EngineDead, EngineOverloaded, InvalidRequest
+from voxbackend.events import Event, EventKind
+from voxbackend.sampling_params import SamplingParams
+
+DIE = "__die__"
+TOKENS_PER_CHUNK = 7
+CHUNK_SAMPLES = 2048
+
+
+@dataclass(frozen=True)
+class FakeSpec:
+    name: str = "fake"
+    sample_rate: int = 24000
+
+
+class FakeModel:
+    spec = FakeSpec()
+    voices = ("tara", "leo")
+    max_chars = 400
+
+    def prepare(self, text: str, voice: str | None = None) -> list[int]:
+        if not text.strip():
+            raise InvalidRequest("text is empty")
+        if len(text) > self.max_chars:
+            raise InvalidRequest(f"text is {len(text)} characters; the limit is {self.max_chars}")
+        voice = voice or self.voices[0]
+        if voice not in self.voices:
+            raise InvalidRequest(f"unknown voice {voice!r}; choose one of {', '.join(self.voices)}")
+        return [1000 + self.voices.index(voice), *text.encode("utf-8")]
+
+    def default_sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, max_tokens=1200)
+
+
+def fake_audio(prompt_ids: list[int], sampling: SamplingParams) -> list[np.ndarray]:
+    """The chunks a request yields: as many as max_tokens allows, at most one per prompt id."""
+    n = min(sampling.max_tokens // TOKENS_PER_CHUNK, len(prompt_ids))
+    rng = np.random.default_rng([sampling.seed, *prompt_ids])
+    return [(0.3 * rng.standard_normal(CHUNK_SAMPLES)).astype(np.float32) for _ in range(n)]
+
+
+@dataclass
+class _Req:
+    request_id: str
+    chunks: list[np.ndarray]
+    on_event: Callable[[Event], None]
+    pages: int
+    sent: int = 0
+    die: bool = False
+
+
+@dataclass
+class FakeStats:
+    running: int
+    queued: int
+    kv_pages_used: int
+    kv_pages_total: int
+
+
+@dataclass
+class FakeEngine:
+    kv_pages: int = 64
+    page_size: int = 16
+    max_queue: int = 64
+    max_batch: int = 32
+    step_s: float = 0.02
+    model: FakeModel = field(default_factory=FakeModel)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: list[_Req] = []
+        self._running: dict[str, _Req] = {}
+        self._cancelled: set[str] = set()
+        self._used = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.alive = True
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="fake-engine", daemon=True)
+            self._thread.start()
+
+    def submit(self, prompt_ids, sampling: SamplingParams, on_event, request_id: str | None = None) -> str:
+        if not self.alive:
+            raise EngineDead("the engine loop died")
+        if not prompt_ids:
+            raise InvalidRequest("prompt is empty")
+        sampling = sampling.validated()
+        pages = math.ceil((len(prompt_ids) + sampling.max_tokens) / self.page_size)
+        if pages > self.kv_pages:
+            raise InvalidRequest(f"request needs {pages} KV pages; the pool has {self.kv_pages}")
+        with self._lock:
+            if len(self._waiting) >= self.max_queue:
+                raise EngineOverloaded(f"overloaded: {len(self._waiting)} requests are queued (max_queue)")
+            rid = request_id or uuid.uuid4().hex
+            text = bytes(i for i in prompt_ids if i < 256).decode("utf-8", "replace")
+            self._waiting.append(_Req(rid, fake_audio(list(prompt_ids), sampling), on_event, pages, die=DIE in text))
+        return rid
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancelled.add(request_id)
+
+    def stats(self) -> FakeStats:
+        with self._lock:
+            return FakeStats(len(self._running), len(self._waiting), self._used, self.kv_pages)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._step()
+                time.sleep(self.step_s)
+        except Exception as e:
+            self.alive = False
+            with self._lock:
+                dead = list(self._running.values()) + self._waiting
+                self._running.clear(), self._waiting.clear()
+                self._used = 0
+            for r in dead:
+                r.on_event(Event(r.request_id, EventKind.ERROR, index=r.sent, error=f"engine failed: {e}"))
+
+    def _step(self) -> None:
+        with self._lock:
+            for r in list(self._waiting):  # admission: FIFO while pages and slots last
+                if r.pages > self.kv_pages - self._used or len(self._running) >= self.max_batch:
+                    break
+                self._waiting.remove(r)
+                self._used += r.pages
+                self._running[r.request_id] = r
+            cancelled = self._cancelled
+            self._cancelled = set()
+            for rid in cancelled:  # queued requests are cancelled too
+                for r in [w for w in self._waiting if w.request_id == rid]:
+                    self._waiting.remove(r)
+                    r.on_event(Event(rid, EventKind.FINISHED, index=r.sent, finish_reason="cancelled"))
+            batch = list(self._running.values())
+        for r in batch:
+            if r.die:
+                raise RuntimeError("injected failure")
+            if r.request_id in cancelled:
+                self._retire(r, "cancelled")
+            elif r.sent < len(r.chunks):
+                r.on_event(Event(r.request_id, EventKind.AUDIO, index=r.sent, audio=r.chunks[r.sent]))
+                r.sent += 1
+            else:
+                self._retire(r, "length")
+
+    def _retire(self, r: _Req, reason: str) -> None:
+        with self._lock:
+            self._running.pop(r.request_id, None)
+            self._used -= r.pages
+        r.on_event(Event(r.request_id, EventKind.FINISHED, index=r.sent, finish_reason=reason))
+
+    def synthesize(self, text: str, voice: str | None = None, sampling: SamplingParams | None = None):
+        chunks = fake_audio(self.model.prepare(text, voice), (sampling or self.model.default_sampling()).validated())
+        return (np.concatenate(chunks) if chunks else np.zeros(0, np.float32)), self.model.spec.sample_rate
+
+
+def load(model_dir: str, codec_dir: str | None = None, **options) -> FakeEngine:
+    """engine_loader: ignores the checkpoint; takes kv_pages, page_size, max_queue, max_batch, step_s."""
+    known = {"kv_pages": int, "page_size": int, "max_queue": int, "max_batch": int, "step_s": float}
+    return FakeEngine(**{k: known[k](v) for k, v in options.items() if k in known})
+
+
+def load_frontend(model_dir: str, codec_dir: str | None = None) -> FakeModel:
+    return FakeModel()

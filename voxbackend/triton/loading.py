@@ -1,0 +1,125 @@
+"""From config.pbtxt `parameters` to an engine (or just the model front end) for one model instance."""
+from __future__ import annotations
+
+import fcntl
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable
+
+from voxbackend.config import EngineConfig
+
+# Parameters the glue itself consumes; every other non-empty one is an engine option.
+GLUE_PARAMS = ("checkpoint", "codec", "default_checkpoint", "engine_loader", "frontend_loader")
+
+
+@dataclass
+class InstanceSettings:
+    checkpoint: str
+    codec: str | None
+    engine_loader: str
+    engine_options: dict[str, str]
+
+
+def model_parameters(model_config: dict | str) -> dict[str, str]:
+    """config.pbtxt `parameters` as a plain dict of strings."""
+    if isinstance(model_config, str):
+        model_config = json.loads(model_config)
+    return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+
+
+def resolve_device(device: str, instance_kind: str = "CPU", device_id: int = 0) -> str:
+    """`auto`: the instance's GPU when Triton placed it on one, else cuda when present, else cpu."""
+    if device != "auto":
+        return device
+    import torch
+
+    if instance_kind == "GPU":
+        return f"cuda:{device_id}"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def import_object(spec: str) -> Callable[..., Any]:
+    """'package.module:function' -> the function."""
+    module, _, name = spec.partition(":")
+    if not name:
+        raise ValueError(f"expected 'module:function', got {spec!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def resolve_checkpoint(params: dict[str, str]) -> tuple[str, str | None]:
+    """The configured checkpoint, or the model's default one (built once; a lock serialises parallel loads)."""
+    if params.get("checkpoint"):
+        return params["checkpoint"], params.get("codec") or None
+    # Triton loads instances and models in parallel; only one of them may build the default checkpoint.
+    lock_path = Path(tempfile.gettempdir()) / f"voxbackend-default-checkpoint-{os.getuid()}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            model_dir, codec_dir = call_in_child(params["default_checkpoint"])
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return model_dir, params.get("codec") or codec_dir
+
+
+def call_in_child(spec: str) -> tuple[str, str | None]:
+    """Run 'module:function' -> (model_dir, codec_dir) in a child interpreter.
+
+    Building a checkpoint needs transformers, which needs ssl; the Python embedded in the wheel's backend stub
+    cannot load this machine's _ssl extension. A child `python3` (the venv's, first on PATH) can, and keeps
+    those imports out of the serving process.
+    """
+    module, _, name = spec.partition(":")
+    code = (f"import json\nfrom {module} import {name} as make\nm, c = make()\n"
+            "print(json.dumps([str(m), str(c) if c else None]))")
+    python = Path(sys.prefix) / "bin" / "python3"  # in the stub, sys.prefix is the venv (DESIGN section 6)
+    python = str(python) if python.is_file() else shutil.which("python3") or sys.executable
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{spec} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    model_dir, codec_dir = json.loads(done.stdout.strip().splitlines()[-1])
+    return model_dir, codec_dir
+
+
+def instance_settings(params: dict[str, str], instance_kind: str = "CPU", device_id: int = 0) -> InstanceSettings:
+    known = {f.name for f in fields(EngineConfig)}
+    options = {k: v for k, v in params.items() if k not in GLUE_PARAMS and v != ""}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"unknown engine parameters {unknown} in config.pbtxt; known: {sorted(known | set(GLUE_PARAMS))}")
+    if "device" in options:
+        options["device"] = resolve_device(options["device"], instance_kind, device_id)
+    checkpoint, codec = resolve_checkpoint(params)
+    return InstanceSettings(checkpoint, codec, params.get("engine_loader") or "voxbackend:load", options)
+
+
+def default_frontend(model_dir: str, codec_dir: str | None = None):
+    """The model object the preprocess needs (prepare, default_sampling, voices, spec), on CPU.
+
+    Uses the registry's weights-free front end when it has one; otherwise loads the model on CPU.
+    """
+    from voxbackend.models import registry
+
+    if hasattr(registry, "load_frontend"):
+        return registry.load_frontend(model_dir, codec_dir)
+    import torch
+
+    return registry.load_model(model_dir, codec_dir, "cpu", torch.float32)
+
+
+def load_frontend(params: dict[str, str]):
+    model_dir, codec_dir = resolve_checkpoint(params)
+    loader = import_object(params.get("frontend_loader") or "voxbackend.triton.loading:default_frontend")
+    return loader(model_dir, codec_dir)
+
+
+def load_engine(settings: InstanceSettings):
+    """Load (not start) the engine for one instance."""
+    loader = import_object(settings.engine_loader)
+    return loader(settings.checkpoint, codec_dir=settings.codec, **settings.engine_options)

@@ -1,0 +1,68 @@
+"""Thin helpers over triton_python_backend_utils (passed in: it only exists inside the stub)."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+
+def input_getter(pb_utils, request):
+    """name -> numpy array, or None for an absent optional input (the shape fields.py expects)."""
+
+    def get(name: str):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    return get
+
+
+def response(pb_utils, outputs: dict[str, np.ndarray]):
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])
+
+
+def error_response(pb_utils, message: str):
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+
+
+class TritonResponder:
+    """streams.Responder over a decoupled model's response sender."""
+
+    def __init__(self, pb_utils, sender):
+        self._pb = pb_utils
+        self._sender = sender
+
+    def send(self, outputs: dict[str, np.ndarray] | None, error: str | None, final: bool) -> None:
+        pb = self._pb
+        r = error_response(pb, error) if error is not None else response(pb, outputs)
+        self._sender.send(r, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+
+    def is_cancelled(self) -> bool:
+        return self._sender.is_cancelled()
+
+
+class TritonLogHandler(logging.Handler):
+    """Routes Python logging (the engine's and ours) into Triton's log."""
+
+    def __init__(self, pb_utils, level: int = logging.INFO):
+        super().__init__(level)
+        self._logger = pb_utils.Logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = f"{record.name}: {self.format(record)}"
+            if record.levelno >= logging.ERROR:
+                self._logger.log_error(msg)
+            elif record.levelno >= logging.WARNING:
+                self._logger.log_warn(msg)
+            else:
+                self._logger.log_info(msg)
+        except Exception:
+            pass
+
+
+def route_logging(pb_utils, name: str = "voxbackend") -> None:
+    logger = logging.getLogger(name)
+    if not any(isinstance(h, TritonLogHandler) for h in logger.handlers):
+        logger.addHandler(TritonLogHandler(pb_utils))
+        logger.setLevel(logging.INFO)
+        logger.propagate = False

@@ -1,0 +1,200 @@
+"""Find, start, wait for and stop a tritonserver that serves a voxbackend model repository.
+
+Works with the NGC container (/opt/tritonserver) and with the `nvidia-pytriton` wheel (CPU machines, tests).
+What the wheel needs (DESIGN section 6): a backend directory holding the Python stub built for this Python,
+the current interpreter's bin/ first on PATH (the stub takes sys.prefix from the first python3 there and
+ignores PYTHONPATH), and the wheel's bundled libraries on LD_LIBRARY_PATH.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+NGC_ROOT = Path("/opt/tritonserver")
+
+
+@dataclass
+class TritonInstall:
+    binary: Path
+    backends: Path  # folder holding python/libtriton_python.so
+    stub: Path | None  # the wheel's per-Python stub; None where the backend folder already has one (NGC)
+    lib_dirs: list[Path] = field(default_factory=list)
+
+
+def find_tritonserver() -> TritonInstall:
+    """$TRITONSERVER_ROOT, then /opt/tritonserver (NGC), then the nvidia-pytriton wheel."""
+    for root in (os.environ.get("TRITONSERVER_ROOT"), NGC_ROOT):
+        if root and (Path(root) / "bin" / "tritonserver").is_file():
+            root = Path(root)
+            return TritonInstall(root / "bin" / "tritonserver", root / "backends", None, [root / "lib"])
+    try:
+        import pytriton
+    except ImportError:
+        raise FileNotFoundError(
+            "no tritonserver: not in /opt/tritonserver or $TRITONSERVER_ROOT, and nvidia-pytriton is not installed "
+            "(pip install 'voxbackend[triton]')") from None
+    root = Path(pytriton.__file__).parent / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise FileNotFoundError(f"nvidia-pytriton has no Python backend stub for Python {version} ({stub})")
+    libs = Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
+    return TritonInstall(root / "bin" / "tritonserver", root / "backends", stub, [libs])
+
+
+def prepare_backend_dir(install: TritonInstall, dest: Path) -> Path:
+    """A backend directory whose python/ backend has the stub matching this interpreter."""
+    if install.stub is None:
+        return install.backends
+    python = Path(dest) / "python"
+    python.mkdir(parents=True, exist_ok=True)
+    for item in (install.backends / "python").iterdir():
+        if item.is_file() and not (python / item.name).exists():
+            os.symlink(item, python / item.name)
+    target = python / "triton_python_backend_stub"
+    if not target.exists():
+        shutil.copy2(install.stub, target)  # a copy, not a link: the backend resolves the stub's own folder
+    return Path(dest)
+
+
+def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([bin_dir, env.get("PATH", "")])
+    libs = [str(p) for p in install.lib_dirs if p.is_dir()]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p])
+    return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class TritonServer:
+    """One tritonserver process. Ports of 0 are replaced by free ones at start."""
+
+    model_repository: Path
+    host: str = "127.0.0.1"
+    http_port: int = 0
+    grpc_port: int = 0
+    metrics_port: int = 0
+    log_file: Path | None = None  # default: a temporary file (shown when startup fails)
+    log_verbose: int = 0
+    extra_args: list[str] = field(default_factory=list)
+    work_dir: Path | None = None  # backend directory lives here (default: a temporary folder)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for the server and its stubs
+
+    def __post_init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self._client_host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"{self._client_host}:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self._client_host}:{self.metrics_port}/metrics"
+
+    @property
+    def _client_host(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+
+    def command(self, install: TritonInstall, backend_dir: Path) -> list[str]:
+        return [
+            str(install.binary), f"--model-repository={self.model_repository}",
+            f"--backend-directory={backend_dir}",
+            f"--http-address={self.host}", f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+            "--allow-gpu-metrics=false" if not Path("/dev/nvidia0").exists() else "--allow-gpu-metrics=true",
+            "--exit-timeout-secs=15", f"--log-verbose={self.log_verbose}", *self.extra_args,
+        ]
+
+    def start(self, timeout: float = 300.0) -> "TritonServer":
+        install = find_tritonserver()
+        if self.work_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="voxbackend-triton-")
+            self.work_dir = Path(self._tmp.name)
+        backend_dir = prepare_backend_dir(install, Path(self.work_dir) / "backends")
+        for name in ("http_port", "grpc_port", "metrics_port"):
+            if not getattr(self, name):
+                setattr(self, name, free_port(self._client_host))
+        if self.log_file is None:
+            self.log_file = Path(self.work_dir) / "tritonserver.log"
+        self._log = open(self.log_file, "ab")
+        self.proc = subprocess.Popen(
+            self.command(install, backend_dir), env={**server_env(install), **self.env}, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True)  # own process group: stop() can end the stubs too
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.ready():
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(Path(self.log_file).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGINT (models are unloaded, finalize() runs), then SIGKILL to the group if it hangs."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stray stubs of this server's group, if any
+        except ProcessLookupError:
+            pass
+        self._log.close()
+        code, self.proc = self.proc.returncode, None
+        return code
+
+    def __enter__(self) -> "TritonServer":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()

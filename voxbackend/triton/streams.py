@@ -1,0 +1,233 @@
+"""The one response thread of an engine model instance.
+
+The engine thread only puts events into a queue (never blocks on Triton); this thread turns them into
+responses, polls every open stream's is_cancelled() and cancels in the engine, updates the metrics, and ends
+every stream with exactly one final response even when the engine dies. One sender thread, not one per
+request: concurrent sends from many threads crashed the Python backend stub (DESIGN section 6).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+from voxbackend.events import Event, EventKind
+
+log = logging.getLogger("voxbackend.triton")
+
+
+class Responder(Protocol):
+    """One client stream as the loop sees it (the Triton adapter wraps a response sender)."""
+
+    def send(self, outputs: dict[str, np.ndarray] | None, error: str | None, final: bool) -> None: ...
+
+    def is_cancelled(self) -> bool: ...
+
+
+class Metrics(Protocol):
+    def first_audio(self, seconds: float) -> None: ...
+    def late_chunk(self) -> None: ...
+    def finished(self, reason: str) -> None: ...
+    def gauges(self, active: int, queued: int, kv_used: int, kv_total: int) -> None: ...
+
+
+class NullMetrics:
+    def first_audio(self, seconds: float) -> None: pass
+    def late_chunk(self) -> None: pass
+    def finished(self, reason: str) -> None: pass
+    def gauges(self, active: int, queued: int, kv_used: int, kv_total: int) -> None: pass
+
+
+@dataclass
+class Stream:
+    request_id: str
+    responder: Responder
+    audio_format: str
+    arrived: float  # clock time the request reached this model
+    sample_rate: int
+    stream_id: str = ""  # sent with every response (see cancel_channel)
+    chunks: int = 0
+    first_sent: float | None = None
+    audio_s: float = 0.0  # audio sent so far, seconds
+    cancel_at: float | None = None  # when we asked the engine to cancel
+
+
+@dataclass
+class _Add:
+    stream: Stream
+
+
+@dataclass
+class _Stop:
+    reason: str
+
+
+@dataclass
+class _Cancel:
+    request_id: str
+
+
+@dataclass
+class ResponseLoop:
+    engine: object  # cancel(), stats(), alive
+    metrics: Metrics = field(default_factory=NullMetrics)
+    poll_s: float = 0.02  # how often is_cancelled() is checked
+    gauge_s: float = 0.25  # how often engine.stats() is read
+    cancel_grace_s: float = 30.0  # a cancelled stream the engine never finishes is closed by us
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, Stream] = {}
+        self._thread: threading.Thread | None = None
+        self._last_gauges = 0.0
+
+    # --- called from execute() (Triton's thread) ---
+    def add(self, stream: Stream) -> None:
+        """Register before engine.submit, so the stream is known before its first event is handled."""
+        self._queue.put(_Add(stream))
+
+    def reject(self, request_id: str, message: str) -> None:
+        self._queue.put(Event(request_id, EventKind.ERROR, error=message))
+
+    def request_cancel(self, request_id: str) -> None:
+        """Cancel from outside Triton's own signal (the ensemble's postprocess, via cancel_channel)."""
+        self._queue.put(_Cancel(request_id))
+
+    # --- called from the engine thread: must not block ---
+    def on_event(self, event: Event) -> None:
+        self._queue.put(event)
+
+    # --- lifecycle ---
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="voxbackend-responses", daemon=True)
+            self._thread.start()
+
+    def stop(self, reason: str = "the model is being unloaded", timeout: float = 5.0) -> None:
+        if self._thread is not None:
+            self._queue.put(_Stop(reason))
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    # --- the thread ---
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=self.poll_s)
+            except queue.Empty:
+                item = None
+            try:
+                while item is not None:
+                    if isinstance(item, _Stop):
+                        self._close_all(item.reason)
+                        return
+                    self._handle(item)
+                    item = self._queue.get_nowait() if not self._queue.empty() else None
+                self._housekeeping()
+            except Exception:  # never let the sender die: every open stream would hang
+                log.exception("response loop error")
+
+    def _handle(self, item: _Add | _Cancel | Event) -> None:
+        if isinstance(item, _Add):
+            self._streams[item.stream.request_id] = item.stream
+            return
+        if isinstance(item, _Cancel):
+            s = self._streams.get(item.request_id)
+            if s is not None and s.cancel_at is None:
+                s.cancel_at = self.clock()
+                self.engine.cancel(s.request_id)
+            return
+        stream = self._streams.get(item.request_id)
+        if stream is None:
+            return  # already closed (e.g. by the cancel watchdog)
+        if item.kind is EventKind.AUDIO:
+            self._send_audio(stream, item)
+        elif item.kind is EventKind.FINISHED:
+            self._finish(stream, item.finish_reason or "stop")
+        else:
+            self._fail(stream, item.error or "engine error")
+
+    def _send_audio(self, s: Stream, event: Event) -> None:
+        now = self.clock()
+        audio = np.asarray(event.audio, dtype=np.float32).reshape(-1)
+        if s.first_sent is None:
+            s.first_sent = now
+            self.metrics.first_audio(now - s.arrived)
+        elif s.audio_s <= now - s.first_sent:
+            self.metrics.late_chunk()  # the listener's buffer ran dry before this chunk (DESIGN section 4)
+        s.audio_s += audio.size / s.sample_rate
+        self._safe_send(s, self._outputs(s, audio, s.chunks, final=False, reason=""), None, final=False)
+        s.chunks += 1
+
+    def _finish(self, s: Stream, reason: str) -> None:
+        self._streams.pop(s.request_id, None)
+        self.metrics.finished(reason)
+        empty = np.zeros(0, dtype=np.float32)
+        self._safe_send(s, self._outputs(s, empty, s.chunks, final=True, reason=reason), None, final=True)
+
+    def _fail(self, s: Stream, message: str) -> None:
+        self._streams.pop(s.request_id, None)
+        self.metrics.finished("error")
+        self._safe_send(s, None, message, final=True)
+
+    def _outputs(self, s: Stream, audio: np.ndarray, index: int, final: bool, reason: str) -> dict[str, np.ndarray]:
+        return {
+            "AUDIO": audio,
+            "SAMPLE_RATE": np.array([s.sample_rate], dtype=np.int32),
+            "CHUNK_INDEX": np.array([index], dtype=np.int32),
+            "FINAL": np.array([final], dtype=bool),
+            "FINISH_REASON": np.array([reason.encode()], dtype=np.object_),
+            "AUDIO_FORMAT": np.array([s.audio_format.encode()], dtype=np.object_),
+            "STREAM_ID": np.array([s.stream_id.encode()], dtype=np.object_),
+        }
+
+    def _safe_send(self, s: Stream, outputs, error: str | None, final: bool) -> None:
+        try:
+            s.responder.send(outputs, error, final)
+        except Exception as e:  # a client that went away must not take the loop down
+            log.warning("send to %s failed: %s", s.request_id, e)
+
+    def _housekeeping(self) -> None:
+        now = self.clock()
+        alive = getattr(self.engine, "alive", True)
+        for s in list(self._streams.values()):
+            if not alive:
+                self._fail(s, "the engine stopped after an internal error; the model must be reloaded")
+            elif s.cancel_at is None:
+                if self._cancelled(s):
+                    s.cancel_at = now
+                    self.engine.cancel(s.request_id)
+            elif now - s.cancel_at > self.cancel_grace_s:
+                log.warning("engine did not finish cancelled request %s; closing it", s.request_id)
+                self._finish(s, "cancelled")
+        if now - self._last_gauges >= self.gauge_s:
+            self._last_gauges = now
+            self._update_gauges()
+
+    def _cancelled(self, s: Stream) -> bool:
+        try:
+            return bool(s.responder.is_cancelled())
+        except Exception:
+            return False
+
+    def _update_gauges(self) -> None:
+        try:
+            st = self.engine.stats()
+            self.metrics.gauges(len(self._streams), st.queued, st.kv_pages_used, st.kv_pages_total)
+        except Exception as e:
+            log.debug("stats unavailable: %s", e)
+
+    def _close_all(self, reason: str) -> None:
+        for s in list(self._streams.values()):
+            self._fail(s, f"request aborted: {reason}")
+        self._update_gauges()
