@@ -56,6 +56,12 @@ def parse_csv(path: str | Path) -> list[PaRow]:
     return sorted(rows, key=lambda r: r.load)
 
 
+def load_profile(path: str | Path) -> dict:
+    """PA writes BYTES outputs (our encoded audio) into the export as raw, non-UTF-8 bytes; JSON's
+    structure is ASCII, so latin-1 decodes any file and only those payload strings come out garbled."""
+    return json.loads(Path(path).read_bytes().decode("latin-1"))
+
+
 def first_response_latencies(profile: dict) -> dict[float, list[float]]:
     """Per experiment load value: seconds from request send to its first non-empty response."""
     out: dict[float, list[float]] = {}
@@ -150,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     rows = parse_csv(a.csv)
     if a.profile:
-        profile = json.loads(Path(a.profile).read_text())
+        profile = load_profile(a.profile)
         attach_profile(rows, profile)
         if a.slim_profile:
             Path(a.slim_profile).write_text(json.dumps(slim_profile(profile)))
