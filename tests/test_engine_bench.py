@@ -1,0 +1,65 @@
+"""perf/engine_bench.py works end to end (tiny model, seconds) and its queueing arithmetic is right."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "perf" / "engine_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("engine_bench", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["engine_bench"] = mod  # dataclasses look their module up by name
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop("engine_bench", None)
+
+
+def test_naive_queued_ttfa_is_sum_of_earlier_services_plus_own(bench):
+    R = bench.ReqResult
+    served = [R(0, 1.0, 10.0, 2.0, 100), R(3, 2.0, 20.0, 2.0, 100)]  # mean service 15, mean own TTFA 1.5
+    # request 0: 1; 1 (extrapolated): 10 + 1.5; 2: 10 + 15 + 1.5; 3: 10 + 15 + 15 + 2
+    assert bench.naive_queued_ttfa(4, served) == pytest.approx([1.0, 11.5, 26.5, 42.0])
+    row = bench.naive_row(4, served)
+    assert row.xrt == pytest.approx(4.0 / 30.0) and row.tok_s == pytest.approx(200 / 30.0)
+
+
+def test_on_time_follows_the_design_definition(bench):
+    # chunks of 1 s each: the 2nd arrives 0.5 s after the 1st (on time), the 3rd 2.5 s after (late: 2 s played)
+    r = bench.ReqResult(0, 0.1, 3.0, 3.0, 21, chunk_times=[0.1, 0.6, 2.6], chunk_lens=[1.0, 1.0, 1.0])
+    assert bench.on_time([r]) == (1, 2, 0, 1)
+    silent = bench.ReqResult(1, None, 0.5, 0.0, 5)
+    assert bench.on_time([silent]) == (0, 0, 0, 0)
+
+
+def test_spread_covers_both_ends(bench):
+    assert bench.spread(32, 4) == [0, 10, 21, 31]
+    assert bench.spread(1, 4) == [0]
+
+
+def test_quick_run_writes_a_results_table(tmp_path):
+    out = tmp_path / "result.md"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert "x real time = audio seconds / wall seconds" in text
+    rows = [ln for ln in text.splitlines() if ln.startswith("| 1 |") or ln.startswith("| 4 |")]
+    systems = {(ln.split("|")[1].strip(), ln.split("|")[2].strip()) for ln in rows}
+    assert {("1", "naive"), ("1", "engine"), ("4", "naive"), ("4", "engine")} <= systems
+    for key in ("- commit:", "- cpu:", "- torch:", "- weights: random", "- dataset:", "max_tokens 42"):
+        assert key in text, key
+    ratio_line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("Ratio engine/naive"))
+    ratios = [float(x.split()[-1].rstrip("x,")) for x in ratio_line.split(":", 1)[1].split(",")]
+    assert len(ratios) == 2 and all(r > 0 for r in ratios)
