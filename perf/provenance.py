@@ -25,7 +25,7 @@ def _git(*args: str, repo: Path = REPO_ROOT) -> str | None:
         out = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() if out.returncode == 0 else None
+    return out.stdout.rstrip() if out.returncode == 0 else None  # keep leading blanks: porcelain columns
 
 
 def git_commit(repo: Path = REPO_ROOT, short: bool = False) -> str:
@@ -39,7 +39,7 @@ def git_modified(repo: Path = REPO_ROOT) -> list[str]:
     out = _git("status", "--porcelain", "--untracked-files=no", repo=repo)
     if out is None:
         return []
-    return [line[3:] for line in out.splitlines() if line.strip()]
+    return [line[3:].strip() for line in out.splitlines() if line.strip()]
 
 
 def cpu_model() -> str:
