@@ -10,6 +10,8 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 "$VENV/bin/python" -m pip install -q -e ".[test,triton,perf]"
+# the streaming Mimi test oracle; --no-deps because its pins (torch, bitsandbytes, sounddevice...) are not ours
+"$VENV/bin/python" -m pip install -q --no-deps "moshi==0.2.13"
 # perf_analyzer (inside the tritonclient 2.51.0 wheel) links against libb64
 if ! ldconfig -p 2>/dev/null | grep -q libb64.so.0d; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
