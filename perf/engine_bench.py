@@ -583,6 +583,7 @@ def main(argv: list[str] | None = None) -> Path:
         "## Setup and provenance",
         "",
         *provenance.markdown_lines(info),
+        f"- load average at end: {provenance.load_average()} (the machine is shared: compare ratios, not absolutes)",
         f"- model: Orpheus architecture (LlamaForCausalLM), size `{args.size}`: hidden {hf.hidden_size}, "
         f"{hf.num_hidden_layers} layers, {hf.num_attention_heads} heads / {hf.num_key_value_heads} KV heads, "
         f"MLP {hf.intermediate_size}, vocab {hf.vocab_size}; {lm_params / 1e6:.1f}M parameters "
