@@ -1,0 +1,45 @@
+"""Pure helpers of perf/run_cpu_suite.py on hand-made inputs with known answers."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
+
+import run_cpu_suite as suite  # noqa: E402
+
+
+def test_overlap_clips_intervals_to_the_window():
+    spans = [(0.0, 1.0), (2.0, 3.0), (4.5, 6.0), (9.0, 10.0)]
+    assert suite.overlap(spans, 0.5, 5.0) == pytest.approx(0.5 + 1.0 + 0.5)
+    assert suite.overlap(spans, 6.0, 9.0) == 0.0
+
+
+def test_ablation_rate_is_the_highest_rate_meeting_the_ttfa_target():
+    res = {0.1: {"ttfa_p90_s": 0.3}, 0.4: {"ttfa_p90_s": 0.9}, 0.8: {"ttfa_p90_s": 1.4}, 1.6: {"ttfa_p90_s": None}}
+    assert suite.choose_ablation_rate(res, 1.0) == 0.4
+    assert suite.choose_ablation_rate(res, 0.1) == 0.1  # none meets it: the lowest rate
+
+
+def _tl(chunks: list[tuple[float, float]]) -> dict:
+    return suite.StreamTimeline(send_time=0.0, chunks=chunks).to_dict()
+
+
+def test_stall_positions_bins_the_first_late_chunk():
+    ok = _tl([(1.0, 0.085), (1.05, 0.085), (1.1, 0.085)])
+    late_at_1 = _tl([(1.0, 0.085), (1.2, 0.085)])  # 85 ms buffered, 200 ms passed
+    late_at_3 = _tl([(1.0, 0.5), (1.1, 0.085), (1.2, 0.085), (1.9, 0.085)])  # 0.67 s buffered, 0.9 s passed
+    text = suite.stall_positions({0.5: [ok, late_at_1], 1.0: [late_at_3]})
+    assert "2 stalled" in text and "chunk 1: 1" in text and "chunk 2-3: 1" in text
+    assert suite.stall_positions({0.5: [ok]}) == "No stream stalled."
+
+
+def test_ablation_table_has_one_row_per_policy():
+    s = {"count": 10, "errors": 0, "ttfa_p50_s": 0.2, "ttfa_p90_s": 0.5, "ttfa_p99_s": 0.9,
+         "on_time_chunk_pct": 97.5, "stall_free_pct": 80.0, "x_real_time": 1.5}
+    table = suite.ablation_table({"online": s, "fcfs": dict(s, ttfa_p50_s=None)})
+    lines = table.splitlines()
+    assert len(lines) == 4 and lines[2].startswith("| online | 10 | 0 | 200 | 500 | 900 | 97.5 | 80.0 | 1.50 |")
+    assert "| fcfs | 10 | 0 | - |" in lines[3]
