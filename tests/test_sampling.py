@@ -62,7 +62,7 @@ def test_sampling_follows_the_distribution():
 
 def test_candidate_ids_map_back_to_vocab():
     logits = torch.tensor([[0.0, 9.0, 1.0]])
-    ids = torch.tensor([[100, 200, 250]])
+    ids = torch.tensor([[100, 200, 250]])  # ascending, as models return them
     batch = _batch([SamplingParams(temperature=0.0, repetition_penalty=2.0)], [0], [[7]])
     assert sample(logits, batch, ids).tolist() == [200]
 
@@ -93,3 +93,17 @@ def test_uniform_is_in_range_and_seed_dependent():
 def test_bad_sampling_values_name_the_field(kwargs, field):
     with pytest.raises(InvalidRequest, match=field):
         SamplingParams(**kwargs).validated()
+
+
+def test_penalty_over_candidates_equals_penalty_over_the_vocab():
+    g = torch.Generator().manual_seed(1)
+    full = torch.randn(3, V, generator=g)
+    ids = torch.stack([torch.sort(torch.randperm(V, generator=g)[:40]).values for _ in range(3)])
+    history = [[int(ids[0, 3]), int(ids[0, 3]), 5], [int(ids[1, 0]), int(ids[1, 39])], [7]]
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.7) for _ in range(3)]
+    batch = _batch(params, [0] * 3, history)
+    from voxbackend.sampling import apply_repetition_penalty
+
+    over_vocab = apply_repetition_penalty(full, batch.history, batch.penalty, None, V).gather(1, ids)
+    over_candidates = apply_repetition_penalty(full.gather(1, ids), batch.history, batch.penalty, ids, V)
+    assert torch.equal(over_vocab, over_candidates)

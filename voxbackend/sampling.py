@@ -66,16 +66,22 @@ def apply_repetition_penalty(
     logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor, token_ids: torch.Tensor | None, vocab: int
 ) -> torch.Tensor:
     """Seen tokens: positive logits divided by the penalty, negative ones multiplied (the CTRL/HF/vLLM rule)."""
-    seen = torch.zeros((logits.shape[0], vocab), dtype=torch.bool, device=logits.device)
-    seen.scatter_(1, history.clamp(min=0), history >= 0)
-    seen = seen if token_ids is None else seen.gather(1, token_ids)
+    valid = history >= 0
+    if token_ids is None:
+        seen = torch.zeros((logits.shape[0], vocab), dtype=torch.bool, device=logits.device)
+        seen.scatter_(1, history.clamp(min=0), valid)
+    else:  # candidates are ascending per row: find each history token among them
+        pos = torch.searchsorted(token_ids, history.clamp(min=0)).clamp(max=token_ids.shape[1] - 1)
+        hit = (token_ids.gather(1, pos) == history) & valid
+        seen = torch.zeros_like(logits, dtype=torch.int32).scatter_add_(1, pos, hit.int()) > 0
     p = penalty[:, None]
     penalized = torch.where(logits > 0, logits / p, logits * p)
     return torch.where(seen, penalized, logits)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [B, C] float32 over candidates `token_ids` [B, C] (None: C is the whole vocab) -> token ids [B]."""
+    """logits [B, C] float32 over candidates `token_ids` [B, C], ascending per row (None: C is the whole
+    vocab) -> token ids [B]."""
     if batch.history is not None:
         logits = apply_repetition_penalty(logits, batch.history, batch.penalty, token_ids, batch.vocab_size)
     to_ids = (lambda idx: idx) if token_ids is None else (lambda idx: token_ids.gather(1, idx[:, None])[:, 0])

@@ -23,7 +23,7 @@ from voxbackend.attention.torch_backend import TorchPagedAttention
 from voxbackend.engine.engine import Engine
 from voxbackend.models.base import LMGeometry
 from voxbackend.models.llama import LlamaConfig, LlamaModel, rope_inv_freq
-from voxbackend.models.orpheus import SPECIAL_BASE
+from voxbackend.models.orpheus import AUDIO_BASE, END_OF_SPEECH
 from voxbackend.sampling_params import SamplingParams
 from voxbackend.tools.tiny_checkpoint import write_tiny_orpheus, write_tiny_snac
 
@@ -90,7 +90,8 @@ def orpheus_3b(root: Path, attention: str, device: str = "cuda", sizes: dict = O
     backbone.lm_head.weight = backbone.embed.weight
     backbone.inv_freq = rope_inv_freq(cfg).to(device)
     m.backbone, m.cfg = backbone.eval(), cfg
-    m._audio_head = backbone.lm_head.weight[SPECIAL_BASE:]
+    m._stop_head = backbone.lm_head.weight[END_OF_SPEECH]
+    m._code_heads = backbone.lm_head.weight[AUDIO_BASE : AUDIO_BASE + 7 * 4096].view(7, 4096, -1)
     geometry = dataclasses.replace(m.spec.geometry, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
                                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
     m.spec = dataclasses.replace(m.spec, geometry=geometry)
@@ -115,7 +116,7 @@ def timings(lines: list[str], root: Path, gpu_name: str) -> None:
     m, attn = engine.model, engine.attention
     for batch in (1, 8, 32, 64, 128):
         seqs = [SeqSlice(i, 1, 255, list(range(i * 17, i * 17 + 17))) for i in range(batch)]
-        ids = torch.randint(SPECIAL_BASE, 156000, (batch,), device="cuda")
+        ids = torch.randint(AUDIO_BASE, 156000, (batch,), device="cuda")
         pos = torch.full((batch,), 255, device="cuda")
         with torch.inference_mode():
             for _ in range(3):

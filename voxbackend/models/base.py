@@ -98,7 +98,8 @@ class SpeechModel:
         raise NotImplementedError
 
     def candidate_logits(self, hidden: torch.Tensor, codes_so_far: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits over the tokens that may come next, and their ids ([B, C] each; None = the whole vocab).
+        """Logits over the tokens that may come next, and their ids ([B, C] each, ids ascending per row; None =
+        the whole vocab).
 
         A model whose next token must come from a small set (Orpheus: one codebook's 4096 codes or the stop
         token) computes and samples only that set, which is exact and much cheaper than the full vocab.

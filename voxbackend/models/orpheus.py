@@ -26,7 +26,6 @@ START_OF_HUMAN = 128259
 PROMPT_END = (128009, 128260, 128261, 128257)  # <eot>, <end_of_human>, <start_of_ai>, <start_of_speech>
 END_OF_SPEECH = 128258
 AUDIO_BASE = 128266
-SPECIAL_BASE = 128256  # <custom_token_0>; END_OF_SPEECH and all audio codes lie above it
 CODEBOOK = 4096
 FRAME = 7  # tokens per SNAC frame: 1 + 2 + 4 codes of the three SNAC levels
 VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
@@ -75,8 +74,10 @@ class Orpheus(SpeechModel):
             window=WindowSpec(frames=4, hop_frames=1, first_frames=4, flush_on_finish=False),
             stop_ids=(END_OF_SPEECH,),
         )
-        # lm_head rows of the custom tokens (stop + audio codes), so constrained steps skip the text vocab
-        self._audio_head = self.backbone.lm_head.weight[SPECIAL_BASE:]
+        # lm_head rows of the stop token and of each codebook position, so constrained steps skip the rest
+        head = self.backbone.lm_head.weight
+        self._stop_head = head[END_OF_SPEECH]
+        self._code_heads = head[AUDIO_BASE : AUDIO_BASE + FRAME * CODEBOOK].view(FRAME, CODEBOOK, -1)
         self._codebook_offsets = torch.arange(CODEBOOK, device=device)[None, :]
         self._stop = torch.tensor([[END_OF_SPEECH]], device=device)
 
@@ -109,11 +110,16 @@ class Orpheus(SpeechModel):
     def candidate_logits(self, hidden: torch.Tensor, codes_so_far: torch.Tensor):
         if not self.constrain_audio:
             return self.logits(hidden), None
-        # the next token is a code of codebook position p (4096 ids) or the stop token
-        low = AUDIO_BASE + CODEBOOK * (codes_so_far % FRAME)
-        ids = torch.cat([low[:, None] + self._codebook_offsets, self._stop.expand(len(low), 1)], dim=1)
-        block = hidden @ self._audio_head.T
-        return block.float().gather(1, ids - SPECIAL_BASE), ids
+        # The next token is the stop token or a code of codebook position p: score just those 4097 rows of the
+        # head, one matmul per position present in the batch (7x less work than all 28,684 audio rows).
+        position = codes_so_far % FRAME
+        logits = torch.empty(len(hidden), CODEBOOK + 1, device=hidden.device, dtype=torch.float32)
+        logits[:, 0] = (hidden @ self._stop_head).float()
+        for p in sorted(set(position.tolist())):
+            rows = (position == p).nonzero()[:, 0]
+            logits[rows, 1:] = (hidden[rows] @ self._code_heads[p].T).float()
+        ids = torch.cat([self._stop.expand(len(hidden), 1), AUDIO_BASE + CODEBOOK * position[:, None] + self._codebook_offsets], 1)
+        return logits, ids  # ids ascending per row (the stop id is below every audio id)
 
     def codes_from_token(self, token: int, codes_so_far: int) -> list[int]:
         code = token - AUDIO_BASE - CODEBOOK * (codes_so_far % FRAME)
