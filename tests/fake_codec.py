@@ -20,7 +20,7 @@ class FakeCodecLM(TokenLM):
         )
         self.decoded: list[tuple[str, int, int, tuple[int, ...]]] = []  # (request, window, state before, codes)
 
-    def codes_from_token(self, token, codes_so_far):
+    def codes_from_step(self, token, codes_so_far):
         return [token]
 
     def new_codec_state(self):

@@ -19,13 +19,13 @@ class Status(Enum):
 @dataclass
 class Request:
     id: str
-    prompt_ids: list[int]
+    prompt_ids: list[int] | list[list[int]]  # ids, or rows of token_columns ids (-1: no entry)
     sampling: SamplingParams
     on_event: Callable[[Event], None]
     arrival: float
     streaming: bool = True  # False: a batch job with no listener; never "pressing" by playback
     status: Status = Status.WAITING
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list = field(default_factory=list)  # generated steps: ids, or rows for token_columns > 1
     num_cached: int = 0  # positions whose keys/values are in the KV pool
     pages: list[int] = field(default_factory=list)
     # codec side

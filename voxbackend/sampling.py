@@ -36,6 +36,7 @@ class SamplingBatch:
     step: torch.Tensor  # [B] long: tokens generated so far
     history: torch.Tensor | None  # [B, L] long, -1 padded: tokens the repetition penalty looks at
     vocab_size: int
+    all_greedy: bool = False  # known on the host, so an all-greedy batch needs no device sync to take argmax
 
     @classmethod
     def build(
@@ -59,6 +60,7 @@ class SamplingBatch:
             step=t(steps, torch.long),
             history=history,
             vocab_size=vocab_size,
+            all_greedy=all(p.temperature == 0 for p in params),
         )
 
 
@@ -86,7 +88,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor |
         logits = apply_repetition_penalty(logits, batch.history, batch.penalty, token_ids, batch.vocab_size)
     to_ids = (lambda idx: idx) if token_ids is None else (lambda idx: token_ids.gather(1, idx[:, None])[:, 0])
     greedy = to_ids(logits.argmax(dim=-1))
-    if bool((batch.temperature == 0).all()):
+    if batch.all_greedy:
         return greedy
     temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
     sorted_logits, order = torch.sort(logits / temp[:, None], dim=-1, descending=True)

@@ -5,6 +5,7 @@ owned by the engine thread. Events go out through each request's `on_event` call
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -68,7 +69,7 @@ class Engine:
     # ---------------------------------------------------------------- public, thread-safe
     def submit(
         self,
-        prompt_ids: list[int],
+        prompt_ids: list[int] | list[list[int]],
         sampling: SamplingParams | None = None,
         on_event: Callable[[Event], None] | None = None,
         request_id: str | None = None,
@@ -142,9 +143,12 @@ class Engine:
             raise RuntimeError(errors[0])
         return [done[i] for i in ids]
 
-    def stream(self, text: str, voice: str | None = None, sampling: SamplingParams | None = None) -> Iterator[np.ndarray]:
+    def stream(
+        self, text: str, voice: str | None = None, sampling: SamplingParams | None = None, **prepare_options
+    ) -> Iterator[np.ndarray]:
+        """`prepare_options` go to the model's prepare (CSM: context=[...])."""
         events: queue.Queue[Event] = queue.Queue()
-        rid = self.submit(self.model.prepare(text, voice), sampling, events.put)
+        rid = self.submit(self.model.prepare(text, voice, **prepare_options), sampling, events.put)
         self.start()
         try:
             while True:
@@ -158,8 +162,8 @@ class Engine:
         finally:
             self.cancel(rid)  # a consumer that stops early frees the request; harmless once finished
 
-    def synthesize(self, text: str, voice: str | None = None, sampling: SamplingParams | None = None):
-        chunks = list(self.stream(text, voice, sampling))
+    def synthesize(self, text: str, voice: str | None = None, sampling: SamplingParams | None = None, **prepare_options):
+        chunks = list(self.stream(text, voice, sampling, **prepare_options))
         audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
         return audio, self.model.spec.sample_rate
 
@@ -204,21 +208,30 @@ class Engine:
             return True
         return bool(lm or detok or self.waiting)
 
-    def _check_prompt(self, prompt_ids) -> list[int]:
+    def _check_prompt(self, prompt_ids) -> list[int] | list[list[int]]:
+        """Ids [L] for one-column models, rows [L, token_columns] (-1 = no entry) for multi-column ones."""
+        spec = self.model.spec
+        columns = spec.token_columns
         try:
-            prompt = [int(t) for t in prompt_ids]
-        except (TypeError, ValueError):
-            raise InvalidRequest("prompt_ids must be a list of integers") from None
-        vocab = self.model.spec.geometry.vocab_size
-        if not prompt:
+            prompt = np.asarray(prompt_ids, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            prompt = None
+        want = "a list of integers" if columns == 1 else f"rows of {columns} integers"
+        if prompt is None or prompt.ndim != (1 if columns == 1 else 2) or columns > 1 and prompt.shape[1] != columns:
+            raise InvalidRequest(f"prompt_ids must be {want}")
+        if not len(prompt):
             raise InvalidRequest("prompt is empty")
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt) >= self.model.spec.geometry.max_context:
-            raise InvalidRequest(
-                f"prompt is {len(prompt)} tokens; the model's context is {self.model.spec.geometry.max_context}"
-            )
-        return prompt
+        if columns == 1:
+            vocab = spec.geometry.vocab_size
+            if prompt.min() < 0 or prompt.max() >= vocab:
+                raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        else:
+            vocab = np.asarray(spec.column_vocab or [spec.geometry.vocab_size] * columns)
+            if (prompt < -1).any() or (prompt >= vocab[None, :]).any():
+                raise InvalidRequest(f"prompt ids of column j must be -1 (absent) or in [0, {list(vocab)}[j])")
+        if len(prompt) >= spec.geometry.max_context:
+            raise InvalidRequest(f"prompt is {len(prompt)} positions; the model's context is {spec.geometry.max_context}")
+        return prompt.tolist()
 
     def _drain_inbox(self) -> None:
         with self._lock:
@@ -271,26 +284,51 @@ class Engine:
         )
         if not sampled:
             return
-        logits, token_ids = self.model.candidate_logits(
-            hidden[torch.tensor(sample_rows, device=dev)], torch.tensor([len(r.codes) for r in sampled], device=dev)
-        )
-        batch = SamplingBatch.build(
-            [r.sampling for r in sampled],
-            [len(r.output_ids) for r in sampled],
-            [r.prompt_ids + r.output_ids for r in sampled],
-            self.model.spec.geometry.vocab_size,
-            dev,
-        )
-        tokens = sample(logits, batch, token_ids).tolist()
-        stop_ids = self.model.spec.stop_ids
-        for r, token in zip(sampled, tokens):
-            r.output_ids.append(token)
-            if token in stop_ids:
+        rows = hidden[torch.tensor(sample_rows, device=dev)]
+        logits, token_ids = self.model.candidate_logits(rows, torch.tensor([len(r.codes) for r in sampled], device=dev))
+        batch = self._sampling_batch(sampled)
+        steps = sample(logits, batch, token_ids)
+        if self.model.spec.has_depth:  # the rest of each step's columns, all rows at once, on the device
+            steps = self.model.depth_step(rows, steps, lambda lg, col: sample(lg, self._column_batch(sampled, batch, col)))
+        for r, step in zip(sampled, steps.tolist()):  # the one host transfer of the step
+            r.output_ids.append(step)
+            r.codes.extend(self.model.codes_from_step(step, len(r.codes)))
+            if self.model.is_stop(step):
                 self._lm_finished(r, "stop")
-                continue
-            r.codes.extend(self.model.codes_from_token(token, len(r.codes)))
-            if len(r.output_ids) >= r.sampling.max_tokens:
+            elif len(r.output_ids) >= r.sampling.max_tokens:
                 self._lm_finished(r, "length")
+
+    def _sampling_batch(self, sampled: list[Request]) -> SamplingBatch:
+        """Column 0 of this step. Step counters advance by token_columns per LM step, so every (step, column) of
+        a request draws its own number from its seed, whatever else is in the batch."""
+        columns = self.model.spec.token_columns
+        penalized = any(r.sampling.repetition_penalty != 1.0 for r in sampled)
+        return SamplingBatch.build(
+            [r.sampling for r in sampled],
+            [len(r.output_ids) * columns for r in sampled],
+            [self._history(r, 0) for r in sampled] if penalized else [[] for _ in sampled],
+            self._column_vocab(0),
+            self.device,
+        )
+
+    def _column_batch(self, sampled: list[Request], batch: SamplingBatch, column: int) -> SamplingBatch:
+        history = batch.history
+        if history is not None:
+            hist = [self._history(r, column) for r in sampled]
+            width = max(1, max(len(h) for h in hist))
+            history = torch.tensor([h + [-1] * (width - len(h)) for h in hist], dtype=torch.long, device=self.device)
+        return dataclasses.replace(batch, step=batch.step + column, history=history,
+                                   vocab_size=self._column_vocab(column))
+
+    def _history(self, r: Request, column: int) -> list[int]:
+        """What the repetition penalty looks at: the prompt and generated ids of that column."""
+        if self.model.spec.token_columns == 1:
+            return r.prompt_ids + r.output_ids
+        return [row[column] for row in itertools.chain(r.prompt_ids, r.output_ids) if row[column] >= 0]
+
+    def _column_vocab(self, column: int) -> int:
+        spec = self.model.spec
+        return spec.column_vocab[column] if spec.column_vocab else spec.geometry.vocab_size
 
     def _lm_finished(self, r: Request, reason: str) -> None:
         r.finish_reason = reason

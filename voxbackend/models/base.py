@@ -8,7 +8,7 @@ Step-Audio-2) plugs in without touching them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -53,6 +53,8 @@ class ModelSpec:
     stop_ids: tuple[int, ...]
     token_columns: int = 1  # ids per LM position (codebooks + text column for CSM / Qwen3-TTS)
     has_depth: bool = False  # a depth transformer produces the remaining columns of each step
+    # token_columns > 1: prompt rows hold ids of column j in [0, column_vocab[j]), or -1 where a row has no entry
+    column_vocab: tuple[int, ...] = ()
 
 
 @dataclass
@@ -83,7 +85,8 @@ class SpeechModel:
     voices: tuple[str, ...] = ()
 
     # --- preprocessing (CPU, off the engine thread) ---
-    def prepare(self, text: str, voice: str | None = None) -> list[int]:
+    def prepare(self, text: str, voice: str | None = None, **options) -> list[int] | list[list[int]]:
+        """Prompt ids: one id per position, or (token_columns > 1) one row of token_columns ids per position."""
         raise NotImplementedError
 
     def default_sampling(self) -> SamplingParams:
@@ -91,7 +94,7 @@ class SpeechModel:
 
     # --- LM ---
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend) -> torch.Tensor:
-        """Flattened batch -> hidden states [T, hidden]."""
+        """Flattened batch: input_ids [T] (or [T, token_columns]), positions [T] -> hidden states [T, hidden]."""
         raise NotImplementedError
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -106,13 +109,22 @@ class SpeechModel:
         """
         return self.logits(hidden), None
 
-    def depth_step(self, hidden: torch.Tensor, first_tokens: torch.Tensor, sampler) -> torch.Tensor:
-        """Models with a depth transformer: produce the remaining token columns of each row on the device."""
+    def depth_step(
+        self, hidden: torch.Tensor, first: torch.Tensor, sample_column: Callable[[torch.Tensor, int], torch.Tensor]
+    ) -> torch.Tensor:
+        """Models with a depth transformer: backbone hidden states [B, hidden] at the sampled rows and their sampled
+        column-0 ids [B] -> the whole step [B, token_columns], which is also the next backbone input row. Runs
+        on the device for the whole batch; `sample_column(logits [B, V], column) -> ids [B]` samples with each
+        row's own parameters, seed and a step counter distinct per column."""
         raise NotImplementedError
 
-    # --- tokens -> codec codes ---
-    def codes_from_token(self, token: int, codes_so_far: int) -> list[int]:
-        """The codec codes one generated step contributes (empty for text or control tokens)."""
+    # --- generated steps -> stop test, codec codes ---
+    def is_stop(self, step: int | list[int]) -> bool:
+        """Whether a generated step (an id, or a row for token_columns > 1) ends the utterance."""
+        return step in self.spec.stop_ids
+
+    def codes_from_step(self, step: int | list[int], codes_so_far: int) -> list[int]:
+        """The codec codes one generated step contributes (empty for text, control or stop tokens)."""
         return []
 
     # --- codec ---

@@ -117,20 +117,25 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    """embed/head False: a model that builds its own input embeddings or heads (CSM's backbone and depth decoder)."""
+
+    def __init__(self, cfg: LlamaConfig, embed: bool = True, head: bool = True):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
         self.layers = nn.ModuleList(LlamaLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
         """Flattened batch: input_ids/positions [T] -> final-normed hidden states [T, hidden]."""
+        return self.forward_embeds(self.embed(input_ids), positions, attention)
+
+    def forward_embeds(self, x: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+        """Input embeddings [T, hidden] -> final-normed hidden states [T, hidden]."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        x = self.embed(input_ids)
         cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, attention)
@@ -139,22 +144,26 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF LlamaForCausalLM tensors in, fusing q/k/v and gate/up."""
+    def load_hf_weights(self, weights: dict[str, torch.Tensor], prefix: str = "model.") -> None:
+        """Copy HF LlamaForCausalLM tensors in, fusing q/k/v and gate/up. `prefix` names the decoder stack
+        ("backbone_model." and "depth_decoder.model." in a CSM checkpoint); the head is always "lm_head.weight"."""
         def take(name: str) -> torch.Tensor:
             if name not in weights:
                 raise KeyError(f"checkpoint is missing weight {name!r}")
             return weights[name]
 
-        sd = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
-        head = weights.get("lm_head.weight")
-        if head is None:
-            if not self.cfg.tie_word_embeddings:
-                raise KeyError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
-            head = sd["embed.weight"]
-        sd["lm_head.weight"] = head
+        sd = {"norm.weight": take(prefix + "norm.weight")}
+        if self.embed is not None:
+            sd["embed.weight"] = take(prefix + "embed_tokens.weight")
+        if self.lm_head is not None:
+            head = weights.get("lm_head.weight")
+            if head is None:
+                if not self.cfg.tie_word_embeddings or self.embed is None:
+                    raise KeyError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+                head = sd["embed.weight"]
+            sd["lm_head.weight"] = head
         for i in range(self.cfg.num_layers):
-            p = f"model.layers.{i}."
+            p = f"{prefix}layers.{i}."
             sd[f"layers.{i}.qkv.weight"] = torch.cat(
                 [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")], dim=0
             )
@@ -165,21 +174,23 @@ class LlamaModel(nn.Module):
             sd[f"layers.{i}.down.weight"] = take(p + "mlp.down_proj.weight")
             sd[f"layers.{i}.input_norm.weight"] = take(p + "input_layernorm.weight")
             sd[f"layers.{i}.post_norm.weight"] = take(p + "post_attention_layernorm.weight")
-        if head is sd["embed.weight"]:
+        tied = self.lm_head is not None and self.embed is not None and sd["lm_head.weight"] is sd["embed.weight"]
+        if tied:
             del sd["lm_head.weight"]
         self.load_state_dict(sd, strict=False, assign=True)
-        if "lm_head.weight" not in sd:
+        if tied:
             self.lm_head.weight = self.embed.weight  # tied: one tensor, not two copies
         missing = {n for n, _ in self.named_parameters()} - set(sd) - {"lm_head.weight"}
         if missing:
             raise KeyError(f"weights not loaded: {sorted(missing)}")
 
 
-def build_llama(cfg: LlamaConfig, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> LlamaModel:
+def build_llama(cfg: LlamaConfig, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype,
+                prefix: str = "model.", embed: bool = True, head: bool = True) -> LlamaModel:
     """Build on the meta device (no random init), then take the checkpoint's tensors."""
     with torch.device("meta"):
-        model = LlamaModel(cfg)
-    model.load_hf_weights(weights)
+        model = LlamaModel(cfg, embed, head)
+    model.load_hf_weights(weights, prefix)
     model.inv_freq = rope_inv_freq(cfg)  # the meta-device buffer has no data
     model = model.to(device=device, dtype=dtype).eval()
     model.inv_freq = model.inv_freq.float()  # RoPE frequencies stay float32 whatever the weights' dtype

@@ -121,7 +121,7 @@ class Orpheus(SpeechModel):
         ids = torch.cat([self._stop.expand(len(hidden), 1), AUDIO_BASE + CODEBOOK * position[:, None] + self._codebook_offsets], 1)
         return logits, ids  # ids ascending per row (the stop id is below every audio id)
 
-    def codes_from_token(self, token: int, codes_so_far: int) -> list[int]:
+    def codes_from_step(self, token: int, codes_so_far: int) -> list[int]:
         code = token - AUDIO_BASE - CODEBOOK * (codes_so_far % FRAME)
         return [code] if 0 <= code < CODEBOOK else []
 

@@ -25,9 +25,14 @@ def load_model(
     model_dir = Path(model_dir)
     hf = read_config(model_dir)
     if kind is None:
+        from voxbackend.models.csm import is_csm_config
         from voxbackend.models.orpheus import is_orpheus_config
 
-        kind = "orpheus" if is_orpheus_config(hf) else "llama"
+        kind = "csm" if is_csm_config(hf) else "orpheus" if is_orpheus_config(hf) else "llama"
+    if kind == "csm":
+        from voxbackend.models.csm import Csm
+
+        return Csm(model_dir, codec_dir, device, dtype)  # no codec_dir: the Mimi weights inside the checkpoint
     if kind == "orpheus":
         from voxbackend.models.orpheus import Orpheus
 
@@ -44,4 +49,4 @@ def load_model(
         from voxbackend.models.token_lm import TokenLM
 
         return TokenLM(model_dir, device, dtype)
-    raise ValueError(f"unknown model kind {kind!r} (known: orpheus, llama)")
+    raise ValueError(f"unknown model kind {kind!r} (known: csm, orpheus, llama)")

@@ -1,0 +1,257 @@
+"""CSM-1B (Sesame): a Llama backbone predicts Mimi codebook 0 of each 80 ms frame, a small depth decoder the other 31.
+
+Follows transformers' CsmForConditionalGeneration (checkpoint layout of `sesame/csm-1b`):
+  * prompt: one segment per utterance, `<|begin_of_text|>[{speaker}]{text}<|end_of_text|>`; a context segment
+    is followed by its audio frames and one all-zero "audio eos" frame. Rows have 33 columns: 32 codebooks
+    and the text id, -1 where a row has no entry (text rows have no codes, audio rows no text id);
+  * backbone input: text embedding of the text id plus the sum of the codebook embeddings (codebook k id c at
+    row k * vocab + c of the audio table);
+  * depth decoder, per frame: position 0 is the backbone's final hidden state, position k >= 1 the embedding of
+    codebook k - 1 (the same table, shared with the backbone); both go through a projection to the depth width;
+    the hidden state at position k >= 1 goes through codebook k's own head to give codebook k;
+  * stop: a frame whose codebooks 0..30 are all the eos id (0); an all-eos frame is not audio.
+Context audio enters as Mimi codes [frames, 32] (no Mimi encoder here yet).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+from voxbackend.codecs.mimi import MimiDecoder
+from voxbackend.errors import InvalidRequest
+from voxbackend.models.base import ModelSpec, SpeechModel, WindowJob, WindowSpec
+from voxbackend.models.checkpoint import load_safetensors, read_config
+from voxbackend.models.llama import LlamaConfig, build_llama
+from voxbackend.models.token_lm import llama_geometry
+from voxbackend.sampling_params import SamplingParams
+
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+NUM_SPEAKERS = 10  # speaker ids are conversation roles; single digits as in the model card's examples
+MAX_TEXT_CHARS = 4000
+MAX_FRAMES = 1125  # 90 s, the official generator's default limit
+
+
+def is_csm_config(hf_config: dict) -> bool:
+    return "CsmForConditionalGeneration" in hf_config.get("architectures", []) or hf_config.get("model_type") == "csm"
+
+
+@dataclass
+class ContextSegment:
+    """An earlier utterance that conditions the voice: its text, speaker and audio as Mimi codes [frames, 32]."""
+
+    text: str
+    speaker: int
+    codes: np.ndarray
+
+
+class _DepthCache:
+    """Dense KV cache of one depth pass: every row of the batch sits at the same position (a frame's codebooks)."""
+
+    def __init__(self, layers: int, batch: int, length: int, kv_heads: int, head_dim: int, like: torch.Tensor):
+        self.k = like.new_zeros(layers, batch, length, kv_heads, head_dim)
+        self.v = torch.zeros_like(self.k)
+        self.batch, self.start = batch, 0
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, s = self.batch, self.start
+        t = q.shape[0] // b
+        assert t == 1 or s == 0, "several new positions only at the start (the causal mask is top-left aligned)"
+        self.k[layer, :, s : s + t] = k.view(b, t, *k.shape[1:])
+        self.v[layer, :, s : s + t] = v.view(b, t, *v.shape[1:])
+        keys, values = self.k[layer, :, : s + t].transpose(1, 2), self.v[layer, :, : s + t].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.view(b, t, *q.shape[1:]).transpose(1, 2), keys, values, is_causal=t > 1,
+            enable_gqa=keys.shape[1] != q.shape[1],
+        )
+        return out.transpose(1, 2).reshape(q.shape)
+
+
+class Csm(SpeechModel):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        codec_dir: str | Path | None = None,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        first_window_frames: int = 2,
+        window_frames: int = 10,
+    ):
+        hf = read_config(model_dir)
+        self.device = device
+        self.num_codebooks = K = hf["num_codebooks"]
+        self.vocab = V = hf["vocab_size"]
+        self.text_vocab = hf["text_vocab_size"]
+        self.eos_code = hf.get("codebook_eos_token_id", 0)
+        w = load_safetensors(model_dir)
+        self.cfg = LlamaConfig.from_hf(hf)
+        self.backbone = build_llama(self.cfg, w, device, dtype, prefix="backbone_model.", embed=False)
+        depth_hf = hf["depth_decoder_config"]
+        self.depth = build_llama(LlamaConfig.from_hf(depth_hf), w, device, dtype, prefix="depth_decoder.model.",
+                                 embed=False, head=False)
+        self.depth_geometry = (self.depth.cfg.num_layers, self.depth.cfg.num_kv_heads, self.depth.cfg.head_dim)
+
+        def take(*names: str) -> torch.Tensor:  # the first name present (tied tables are saved once)
+            for n in names:
+                if n in w:
+                    return w[n].to(device=device, dtype=dtype)
+            raise KeyError(f"checkpoint is missing weight {names[0]!r}")
+
+        audio = "backbone_model.embed_tokens.embed_audio_tokens.weight"
+        self.text_embed = take("embed_text_tokens.weight")
+        self.audio_embed = take(audio, "depth_decoder.model.embed_tokens.weight")  # [K * V, hidden]
+        self.depth_embed = take("depth_decoder.model.embed_tokens.weight", audio)
+        self.depth_proj = take("depth_decoder.model.inputs_embeds_projector.weight")  # [depth hidden, hidden]
+        self.depth_heads = take("depth_decoder.codebooks_head.weight")  # [K - 1, depth hidden, V]
+        self.offsets = torch.arange(K, device=device) * V
+        del w
+
+        self.tokenizer = self._load_tokenizer(Path(model_dir))
+        self.bos, self.eos = self.tokenizer.token_to_id(BOS), self.tokenizer.token_to_id(EOS)
+        if codec_dir is not None:
+            self.codec = MimiDecoder.from_pretrained(codec_dir, device=device)
+        else:
+            self.codec = MimiDecoder.from_pretrained(model_dir, device=device, prefix="codec_model.")
+        if self.codec.num_codebooks < K:
+            raise ValueError(f"the Mimi codec has {self.codec.num_codebooks} codebooks; CSM needs {K}")
+        self.spec = ModelSpec(
+            name="csm",
+            geometry=llama_geometry(self.cfg),
+            sample_rate=self.codec.sample_rate,
+            codes_per_frame=K,
+            # streaming Mimi carries its state between windows, so a short first window is exact
+            window=WindowSpec(frames=window_frames, hop_frames=window_frames, first_frames=first_window_frames,
+                              flush_on_finish=True, stateful=True),
+            stop_ids=(),
+            token_columns=K + 1,
+            has_depth=True,
+            column_vocab=(V,) * K + (self.text_vocab,),
+        )
+
+    @staticmethod
+    def _load_tokenizer(model_dir: Path) -> Tokenizer:
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
+        tok = Tokenizer.from_file(str(path))
+        if tok.token_to_id(BOS) is None or tok.token_to_id(EOS) is None:
+            raise ValueError(f"{path} lacks the Llama-3 tokens {BOS} / {EOS}")
+        return tok
+
+    # ---------------------------------------------------------------- preprocessing
+    def prepare(self, text: str, speaker: int | str | None = None, context: list | None = None) -> list[list[int]]:
+        rows: list[list[int]] = []
+        for i, seg in enumerate(context or []):
+            seg = self._segment(seg, f"context[{i}]")
+            rows += self._text_rows(seg.text, seg.speaker, f"context[{i}].text")
+            rows += [[*frame, -1] for frame in seg.codes.tolist()]
+            rows.append([self.eos_code] * self.num_codebooks + [-1])  # audio eos frame
+        rows += self._text_rows(text, self._speaker(0 if speaker is None else speaker, "speaker"), "text")
+        if len(rows) >= self.spec.geometry.max_context:
+            raise InvalidRequest(
+                f"prompt is {len(rows)} positions (text and context audio); the model's context is "
+                f"{self.spec.geometry.max_context}"
+            )
+        return rows
+
+    def _text_rows(self, text: str, speaker: int, field: str) -> list[list[int]]:
+        if not isinstance(text, str):
+            raise InvalidRequest(f"{field} must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise InvalidRequest(f"{field} is empty")
+        if len(text) > MAX_TEXT_CHARS:
+            raise InvalidRequest(f"{field} is {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
+        ids = [self.bos, *self.tokenizer.encode(f"[{speaker}]{text}", add_special_tokens=False).ids, self.eos]
+        if max(ids) >= self.text_vocab:
+            raise InvalidRequest(f"{field} contains special tokens outside the model's text vocabulary")
+        return [[-1] * self.num_codebooks + [t] for t in ids]
+
+    def _speaker(self, speaker, field: str) -> int:
+        if isinstance(speaker, str) and speaker.strip().isdigit():
+            speaker = int(speaker)
+        if isinstance(speaker, bool) or not isinstance(speaker, (int, np.integer)):
+            raise InvalidRequest(f"{field} must be an integer id in [0, {NUM_SPEAKERS}), got {speaker!r}")
+        if not 0 <= speaker < NUM_SPEAKERS:
+            raise InvalidRequest(f"{field} must be in [0, {NUM_SPEAKERS}), got {speaker}")
+        return int(speaker)
+
+    def _segment(self, seg, field: str) -> ContextSegment:
+        if isinstance(seg, dict):
+            try:
+                seg = ContextSegment(seg["text"], seg["speaker"], seg["codes"])
+            except KeyError as exc:
+                raise InvalidRequest(f"{field} needs text, speaker and codes; missing {exc}") from None
+        if not isinstance(seg, ContextSegment):
+            raise InvalidRequest(f"{field} must be a ContextSegment or a dict, got {type(seg).__name__}")
+        codes = np.asarray(seg.codes.cpu() if isinstance(seg.codes, torch.Tensor) else seg.codes)
+        if codes.dtype.kind == "f":
+            raise InvalidRequest(f"{field}.codes: raw audio needs the Mimi encoder, which is not built yet; "
+                                 f"pass Mimi codes [frames, {self.num_codebooks}]")
+        if codes.dtype.kind not in "iu" or codes.ndim != 2 or codes.shape[1] != self.num_codebooks or not len(codes):
+            raise InvalidRequest(f"{field}.codes must be integer Mimi codes [frames, {self.num_codebooks}], "
+                                 f"got {codes.dtype} {list(codes.shape)}")
+        if codes.min() < 0 or codes.max() >= self.codec.codebook_size:
+            raise InvalidRequest(f"{field}.codes must be in [0, {self.codec.codebook_size})")
+        return ContextSegment(seg.text, self._speaker(seg.speaker, f"{field}.speaker"), codes.astype(np.int64))
+
+    def default_sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=0.9, top_k=50, max_tokens=MAX_FRAMES)
+
+    # ---------------------------------------------------------------- LM
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+        """input_ids [T, 33]: the masked sum of the text embedding and the 32 codebook embeddings of each row."""
+        K = self.num_codebooks
+        codes, text = input_ids[:, :K], input_ids[:, K]
+        audio = self.audio_embed[codes.clamp(min=0) + self.offsets]  # [T, K, hidden]
+        x = torch.where((codes >= 0)[..., None], audio, 0.0).sum(1)
+        x = x + torch.where((text >= 0)[:, None], self.text_embed[text.clamp(min=0)], 0.0)
+        return self.backbone.forward_embeds(x, positions, attention)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.backbone.logits(hidden)
+
+    def depth_step(self, hidden: torch.Tensor, first: torch.Tensor, sample_column) -> torch.Tensor:
+        K, V = self.num_codebooks, self.vocab
+        b = len(first)
+        layers, kv_heads, head_dim = self.depth_geometry
+        cache = _DepthCache(layers, b, K, kv_heads, head_dim, hidden)
+        codes = [first]
+        x = torch.stack([hidden, self.depth_embed[first]], dim=1)  # positions 0 and 1
+        for k in range(1, K):
+            t = x.shape[1]
+            positions = torch.arange(cache.start, cache.start + t, device=x.device).repeat(b)
+            h = self.depth.forward_embeds((x @ self.depth_proj.T).reshape(b * t, -1), positions, cache)
+            cache.start += t
+            logits = (h.view(b, t, -1)[:, -1] @ self.depth_heads[k - 1]).float()
+            codes.append(sample_column(logits, k))
+            x = self.depth_embed[codes[-1] + k * V][:, None]  # codebook k enters at position k + 1
+        return torch.stack([*codes, torch.full_like(first, -1)], dim=1)  # the text column is empty
+
+    # ---------------------------------------------------------------- steps -> codes
+    def is_stop(self, step: list[int]) -> bool:
+        return all(c == self.eos_code for c in step[: self.num_codebooks - 1])
+
+    def codes_from_step(self, step: list[int], codes_so_far: int) -> list[int]:
+        frame = step[: self.num_codebooks]
+        return [] if all(c == self.eos_code for c in frame) else frame
+
+    # ---------------------------------------------------------------- codec
+    def new_codec_state(self):
+        return self.codec.new_state()
+
+    def detokenize(self, jobs: list[WindowJob]) -> list[np.ndarray]:
+        """Windows of equal length decode in one batch, each row continuing its request's Mimi state."""
+        out: list[np.ndarray | None] = [None] * len(jobs)
+        groups: dict[int, list[int]] = {}
+        for i, j in enumerate(jobs):
+            groups.setdefault(len(j.codes), []).append(i)
+        for idx in groups.values():
+            codes = torch.as_tensor(np.stack([jobs[i].codes for i in idx]), device=self.device).transpose(1, 2)
+            audio = self.codec.decode_chunk(codes, [jobs[i].state for i in idx])
+            for row, i in enumerate(idx):
+                out[i] = audio[row, 0].float().cpu().numpy()
+        return out

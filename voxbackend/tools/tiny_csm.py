@@ -1,0 +1,74 @@
+"""A tiny random CSM-1B-architecture checkpoint in the Hugging Face `sesame/csm-1b` layout.
+
+    python -m voxbackend.tools.tiny_csm --out DIR [--seed N]
+
+config.json (backbone + depth_decoder_config + codec_config), model.safetensors (with the tiny Mimi codec under
+`codec_model.*`), and a locally built Llama-3 style tokenizer.json. Weights are redrawn at unit scale (std
+1/sqrt(fan_in) for projections) and the heads scaled so logits spread over tens of units: greedy decoding then never
+meets a near-tie that float rounding could flip between two implementations.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from voxbackend.tools.tiny_checkpoint import _write_tokenizer
+from voxbackend.tools.tiny_mimi import write_tiny_mimi
+
+ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0, "original_max_position_embeddings": 2048}
+BACKBONE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=2048)
+DEPTH = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=33)
+HEAD_LOGIT_STD = 10.0
+
+
+def write_tiny_csm(out_dir: str | Path, seed: int = 0) -> Path:
+    from transformers import CsmConfig, CsmForConditionalGeneration, MimiModel
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        mimi = MimiModel.from_pretrained(write_tiny_mimi(tmp, seed=seed))
+    config = CsmConfig(
+        **BACKBONE, rope_parameters=dict(ROPE),
+        depth_decoder_config=dict(DEPTH, backbone_hidden_size=BACKBONE["hidden_size"], rope_parameters=dict(ROPE)),
+        codec_config=mimi.config.to_dict(),
+    )
+    torch.manual_seed(seed)
+    model = CsmForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        model.codec_model.load_state_dict(mimi.state_dict())
+        for name, p in model.named_parameters():
+            if name.startswith("codec_model."):
+                continue
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) * 0.5 + 0.75)
+            elif name in ("lm_head.weight", "depth_decoder.codebooks_head.weight"):
+                fan_in = p.shape[-1] if name == "lm_head.weight" else p.shape[-2]
+                p.copy_(torch.randn(p.shape, generator=g) * HEAD_LOGIT_STD * fan_in**-0.5)
+            elif "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    model.save_pretrained(out)
+    _write_tokenizer(out)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(write_tiny_csm(args.out, seed=args.seed))
+
+
+if __name__ == "__main__":
+    main()
