@@ -85,6 +85,18 @@ class StreamOutcome:
     end_time: float | None = None
     responses: int = 0  # every callback for this request, audio or final or error
     late_responses: int = 0  # callbacks after the final response or error (should stay 0)
+    arrived_in_order: bool = True  # chunks came in CHUNK_INDEX order
+
+    def put_in_order(self) -> None:
+        """Sort chunks by CHUNK_INDEX (a server should keep order; this makes the client robust if not).
+
+        A chunk can only play once every earlier one is here, so its arrival is the latest arrival so far.
+        """
+        order = sorted(range(len(self.chunks)), key=lambda i: self.indices[i])
+        self.arrived_in_order = order == list(range(len(order)))
+        self.chunks = [self.chunks[i] for i in order]
+        self.indices = [self.indices[i] for i in order]
+        self.arrivals = list(np.maximum.accumulate([self.arrivals[i] for i in order])) if order else []
 
     @property
     def audio(self) -> np.ndarray:
@@ -139,6 +151,7 @@ def stream_request(url: str, model: str, inputs: list, audio_format: str = "pcm1
                 t, result, error = responses.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 out.error = f"timed out after {timeout} s"
+                cancelled = True  # still running on the server: hang up
                 break
             out.responses += 1
             if error is not None:
@@ -150,12 +163,12 @@ def stream_request(url: str, model: str, inputs: list, audio_format: str = "pcm1
                 out.chunks.append(audio)
                 out.arrivals.append(t)
                 out.indices.append(int(_scalar(result, "CHUNK_INDEX", len(out.indices))))
-            params = result.get_response().parameters
-            final = params["triton_final_response"].bool_param if "triton_final_response" in params else False
-            if final or _scalar(result, "FINAL", False):
+            if _scalar(result, "FINAL", False):  # the stream's last response: FINISH_REASON says why
                 out.finish_reason, out.end_time = _scalar(result, "FINISH_REASON", "") or None, t
-                if final:
-                    break
+            params = result.get_response().parameters
+            if params["triton_final_response"].bool_param if "triton_final_response" in params else False:
+                out.end_time = out.end_time or t
+                break  # Triton sends nothing after this one
             if cancel_after_chunks is not None and len(out.chunks) >= cancel_after_chunks:
                 cancelled = True
                 out.finish_reason, out.end_time = "client-cancelled", time.monotonic()
@@ -166,8 +179,11 @@ def stream_request(url: str, model: str, inputs: list, audio_format: str = "pcm1
                 responses.get()
                 out.late_responses += 1
     finally:
-        client.stop_stream(cancel_requests=cancelled or out.error is not None)
+        # cancel only a request that is still running: cancelling one Triton already rejected (wrong dtype or
+        # shape) leaves it counted as live in 2.51, and the server then waits out its exit timeout on shutdown
+        client.stop_stream(cancel_requests=cancelled)
         client.close()
+    out.put_in_order()
     return out
 
 

@@ -133,9 +133,12 @@ def render_ensemble(m: ServedModel) -> str:
 def render_all(overrides: dict[str, str] | None = None) -> dict[str, str]:
     """Model folder name -> config.pbtxt text, for every served model plus the shared postprocess."""
     configs = {
+        # One instance: the ensemble forwards each step's responses in completion order, so parallel instances
+        # reorder a stream's chunks (seen with 2). One instance keeps them in order; it costs microseconds a chunk.
         POSTPROCESS: _python_model(
-            POSTPROCESS, "Shared by every model: float audio chunk -> PCM16 or float32 bytes, with metadata.",
-            schema.POSTPROCESS_INPUTS, schema.POSTPROCESS_OUTPUTS, instances=2),
+            POSTPROCESS, "Shared by every model: float audio chunk -> PCM16 or float32 bytes, with metadata. "
+            "One instance keeps each stream's chunks in order.",
+            schema.POSTPROCESS_INPUTS, schema.POSTPROCESS_OUTPUTS, instances=1),
     }
     for m in SERVED_MODELS:
         params = m.params(overrides)

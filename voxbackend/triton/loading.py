@@ -80,10 +80,11 @@ def call_in_child(spec: str) -> tuple[str, str | None]:
             "print(json.dumps([str(m), str(c) if c else None]))")
     python = Path(sys.prefix) / "bin" / "python3"  # in the stub, sys.prefix is the venv (DESIGN section 6)
     python = str(python) if python.is_file() else shutil.which("python3") or sys.executable
-    done = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    done = subprocess.run([python, "-c", code], capture_output=True)  # bytes: the stub's locale may be ASCII
+    stdout, stderr = (done.stdout.decode("utf-8", "replace"), done.stderr.decode("utf-8", "replace"))
     if done.returncode != 0:
-        raise RuntimeError(f"{spec} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    model_dir, codec_dir = json.loads(done.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"{spec} failed (exit {done.returncode}):\n{stderr[-3000:]}")
+    model_dir, codec_dir = json.loads(stdout.strip().splitlines()[-1])
     return model_dir, codec_dir
 
 

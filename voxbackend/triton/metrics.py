@@ -28,8 +28,10 @@ class TritonMetrics:
             fam("voxbackend_queued_requests", "Requests waiting for admission (KV pages or batch slots)", fam.GAUGE),
             fam("voxbackend_kv_pages_used", "KV cache pages in use", fam.GAUGE),
             fam("voxbackend_kv_pages_total", "KV cache pages in the pool", fam.GAUGE),
+            # Triton 2.51 lets no Python model mark itself unready: alert or probe on this instead
+            fam("voxbackend_engine_alive", "1 while the engine loop runs, 0 once it died", fam.GAUGE),
         ]
-        ttfa, late, finished, active, queued, kv_used, kv_total = self.families
+        ttfa, late, finished, active, queued, kv_used, kv_total, alive = self.families
         self._ttfa = ttfa.Metric(labels=labels, buckets=TTFA_BUCKETS)
         self._late = late.Metric(labels=labels)
         self._finished = {r: finished.Metric(labels={**labels, "reason": r}) for r in FINISH_REASONS}
@@ -37,6 +39,8 @@ class TritonMetrics:
         self._queued = queued.Metric(labels=labels)
         self._kv_used = kv_used.Metric(labels=labels)
         self._kv_total = kv_total.Metric(labels=labels)
+        self._alive = alive.Metric(labels=labels)
+        self._alive.set(1)
 
     def first_audio(self, seconds: float) -> None:
         self._ttfa.observe(seconds)
@@ -47,7 +51,8 @@ class TritonMetrics:
     def finished(self, reason: str) -> None:
         self._finished.get(reason, self._finished["error"]).increment(1)
 
-    def gauges(self, active: int, queued: int, kv_used: int, kv_total: int) -> None:
+    def gauges(self, active: int, queued: int, kv_used: int, kv_total: int, alive: bool = True) -> None:
+        self._alive.set(1 if alive else 0)
         self._active.set(active)
         self._queued.set(queued)
         self._kv_used.set(kv_used)

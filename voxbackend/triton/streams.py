@@ -33,14 +33,14 @@ class Metrics(Protocol):
     def first_audio(self, seconds: float) -> None: ...
     def late_chunk(self) -> None: ...
     def finished(self, reason: str) -> None: ...
-    def gauges(self, active: int, queued: int, kv_used: int, kv_total: int) -> None: ...
+    def gauges(self, active: int, queued: int, kv_used: int, kv_total: int, alive: bool) -> None: ...
 
 
 class NullMetrics:
     def first_audio(self, seconds: float) -> None: pass
     def late_chunk(self) -> None: pass
     def finished(self, reason: str) -> None: pass
-    def gauges(self, active: int, queued: int, kv_used: int, kv_total: int) -> None: pass
+    def gauges(self, active: int, queued: int, kv_used: int, kv_total: int, alive: bool) -> None: pass
 
 
 @dataclass
@@ -223,7 +223,8 @@ class ResponseLoop:
     def _update_gauges(self) -> None:
         try:
             st = self.engine.stats()
-            self.metrics.gauges(len(self._streams), st.queued, st.kv_pages_used, st.kv_pages_total)
+            alive = bool(getattr(self.engine, "alive", True))
+            self.metrics.gauges(len(self._streams), st.queued, st.kv_pages_used, st.kv_pages_total, alive)
         except Exception as e:
             log.debug("stats unavailable: %s", e)
 

@@ -1,0 +1,73 @@
+"""The committed model repository is exactly what the template renders, and the ensemble obeys Triton's rules."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from voxbackend.triton import configs, schema
+
+
+def test_committed_configs_equal_rendered():
+    stale = configs.stale_configs(configs.DEFAULT_REPOSITORY)
+    assert not stale, f"regenerate with `python -m voxbackend.triton.configs`: {stale}"
+
+
+def test_every_model_folder_has_a_config_and_model_file():
+    rendered = configs.render_all()
+    for name in rendered:
+        folder = configs.DEFAULT_REPOSITORY / name
+        assert (folder / "config.pbtxt").is_file()
+        if 'platform: "ensemble"' not in rendered[name]:
+            text = (folder / "1" / "model.py").read_text()
+            assert "TritonPythonModel" in text and "voxbackend.triton" in text
+            assert len(text.splitlines()) <= 5, "model.py files only import the glue"
+
+
+def test_overrides_render_into_engine_parameters_only(tmp_path: Path):
+    repo = configs.write_repository(tmp_path / "repo", {"checkpoint": "/ckpt/orpheus", "kv_pages": 4096})
+    engine = (repo / "orpheus_engine" / "config.pbtxt").read_text()
+    assert 'key: "checkpoint" value: { string_value: "/ckpt/orpheus" }' in engine
+    assert 'key: "kv_pages" value: { string_value: "4096" }' in engine
+    pre = (repo / "orpheus_preprocess" / "config.pbtxt").read_text()
+    assert 'string_value: "/ckpt/orpheus"' in pre and "kv_pages" not in pre
+    assert (repo / "orpheus_engine" / "1" / "model.py").is_file()
+    assert (repo / "orpheus" / "1").is_dir()
+
+
+def test_unknown_override_is_rejected():
+    with pytest.raises(ValueError, match="unknown engine parameter"):
+        configs.render_all({"kv_pagez": "1"})
+
+
+def _step_maps(ensemble: str) -> list[tuple[str, dict[str, str], dict[str, str]]]:
+    steps = []
+    for block in ensemble.split("model_name: ")[1:]:
+        name = block.split('"')[1]
+        ins = dict(re.findall(r'input_map \{ key: "(\w+)" value: "(\w+)" \}', block))
+        outs = dict(re.findall(r'output_map \{ key: "(\w+)" value: "(\w+)" \}', block))
+        steps.append((name, ins, outs))
+    return steps
+
+
+@pytest.mark.parametrize("model", configs.SERVED_MODELS, ids=lambda m: m.name)
+def test_ensemble_steps_follow_the_decoupled_origin_rule(model):
+    (pre, pre_in, pre_out), (eng, eng_in, eng_out), (post, post_in, post_out) = _step_maps(
+        configs.render_all()[model.name])
+    assert (pre, eng, post) == (model.preprocess, model.engine, configs.POSTPROCESS)
+    # the step after the decoupled engine reads only the engine's outputs
+    assert set(post_in.values()) <= set(eng_out.values())
+    assert set(post_in) == {s.name for s in schema.POSTPROCESS_INPUTS}
+    # every engine input the preprocess produces is wired; every client output comes from the postprocess
+    assert set(eng_in.values()) <= set(pre_out.values())
+    assert set(post_out.values()) == {s.name for s in schema.POSTPROCESS_OUTPUTS}
+    assert set(pre_in) == {s.name for s in schema.TEXT_INPUTS}
+
+
+def test_engine_is_decoupled_and_every_tensor_is_documented():
+    rendered = configs.render_all()
+    assert "decoupled: true" in rendered["orpheus_engine"]
+    assert "decoupled" not in rendered["orpheus_preprocess"] + rendered[configs.POSTPROCESS]
+    for spec in (*schema.TEXT_INPUTS, *schema.ENGINE_INPUTS, *schema.ENGINE_OUTPUTS, *schema.POSTPROCESS_OUTPUTS):
+        assert spec.doc, f"{spec.name} needs a doc line (it is the schema documentation in config.pbtxt)"

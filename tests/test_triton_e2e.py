@@ -1,0 +1,311 @@
+"""End to end against a real tritonserver on loopback, serving the committed model_repository unchanged.
+
+The server is started the way Triton users start it (the committed configs, no checkpoint configured), so
+the engine model builds the tiny default checkpoint itself (into a temporary VOXBACKEND_CACHE); the reference
+engine in this process then loads that same checkpoint. One server for the whole module.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+tritonclient = pytest.importorskip("tritonclient.grpc")
+
+from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
+from voxbackend.triton import configs  # noqa: E402
+from voxbackend.triton.server import TritonServer, find_tritonserver  # noqa: E402
+
+try:
+    find_tritonserver()
+except FileNotFoundError as e:  # pragma: no cover - the dev and CI machines have the wheel
+    pytest.skip(f"no tritonserver: {e}", allow_module_level=True)
+
+MAX_TOKENS = 63  # 9 Orpheus frames: a handful of chunks per stream keeps 2-core runs quick
+# The tiny random model's next-token distribution is nearly flat over 4096 codes, so with the default top_p
+# a float-rounding difference between batch compositions flips a sampled token about once in 4000 (seen
+# in-process, without Triton). top_k=8 keeps real sampling, seeded per request, without near-ties.
+TOP_K = 8
+TEXTS = [
+    "Hello there, how are you doing today?", "The quick brown fox jumps over the lazy dog.",
+    "A streaming server sends the first audio chunk as soon as it is ready.", "Good morning! Good evening!",
+    "Please read this sentence slowly and clearly.", "Numbers like one, two, three are easy to say.",
+    "The weather this morning was cold and grey.", "She said that the train would arrive at seven.",
+    "When the music stopped, everyone turned around.", "It is important to test every part of a system.",
+    "I think that we should go for a walk in the park.", "The children laughed and played in the garden.",
+    "Can you tell me the way to the library?", "Speech models turn text into sound.",
+    "Thank you for asking, I am doing well.", "See you tomorrow, my friend.",
+]
+VOICES = ["tara", "leo", None, "mia"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("voxbackend_cache") / "default"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, cache_dir):
+    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    srv = TritonServer(configs.DEFAULT_REPOSITORY, env={"VOXBACKEND_CACHE": str(cache_dir)}, log_file=log)
+    srv.start(timeout=300)
+    yield srv
+    t0 = time.monotonic()
+    code = srv.stop()
+    assert code == 0, f"tritonserver exited with {code}:\n{srv.log_tail()}"
+    assert time.monotonic() - t0 < 20, "tritonserver took too long to stop (a stream left open?)"
+
+
+@pytest.fixture(scope="module")
+def reference(server, cache_dir):
+    """An in-process engine on the checkpoint the server built: Engine.synthesize, memoised."""
+    import voxbackend
+    from voxbackend.tools.tiny_checkpoint import ensure_default_checkpoint
+
+    model_dir, codec_dir = ensure_default_checkpoint(cache_dir)  # reuses the server's build
+    engine = voxbackend.load(model_dir, codec_dir)
+    engine.start()
+    memo: dict[tuple, np.ndarray] = {}
+
+    def synthesize(text: str, voice: str | None, seed: int, max_tokens: int = MAX_TOKENS) -> np.ndarray:
+        key = (text, voice, seed, max_tokens)
+        if key not in memo:
+            sampling = dataclasses.replace(engine.model.default_sampling(), max_tokens=max_tokens, seed=seed,
+                                           top_k=TOP_K)
+            audio, rate = engine.synthesize(text, voice, sampling)
+            assert rate == 24000
+            memo[key] = audio
+        return memo[key]
+
+    yield synthesize
+    engine.shutdown()
+
+
+def run_concurrently(jobs: list) -> list[StreamOutcome]:
+    results: list = [None] * len(jobs)
+
+    def run(i):
+        results[i] = jobs[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    return results
+
+
+def assert_matches(out: StreamOutcome, expected: np.ndarray, fmt: str, what: str) -> None:
+    assert out.error is None, f"{what}: {out.error}"
+    assert out.finish_reason in ("stop", "length"), what
+    assert out.sample_rate == 24000
+    assert out.indices == list(range(len(out.chunks))) and out.arrived_in_order, f"{what}: chunks out of order"
+    # The engine may merge several ready windows into one chunk, so chunk boundaries depend on timing; the
+    # samples do not. Compare the whole stream, sample for sample.
+    want = np.clip(expected, -1, 1) if fmt == "pcm16" else expected
+    assert out.audio.size == want.size, f"{what}: {out.audio.size} samples, expected {want.size}"
+    atol = 1e-4 + (1.0 / 32767 if fmt == "pcm16" else 0.0)
+    np.testing.assert_allclose(out.audio, want, atol=atol, err_msg=what)
+
+
+def metric_values(server, name: str) -> dict[str, float]:
+    """{label string: value} for one metric family on the metrics port."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    return {m.group(1) or "": float(m.group(2))
+            for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.MULTILINE)}
+
+
+def metric(server, name: str, **labels) -> float:
+    values = metric_values(server, name)
+    return sum(v for k, v in values.items() if all(f'{lk}="{lv}"' in k for lk, lv in labels.items()))
+
+
+def wait_for(predicate, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+# ---------------------------------------------------------------- streams match the engine
+
+
+@pytest.mark.parametrize("model", ["orpheus", "orpheus_engine"])
+def test_16_concurrent_streams_match_engine_synthesize(server, reference, model):
+    formats = ["pcm16", "fp32"] if model == "orpheus" else ["fp32"]  # the engine sends float samples
+    jobs = []
+    for i, text in enumerate(TEXTS):
+        fmt = formats[i % len(formats)]
+        inputs = make_inputs(text, VOICES[i % 4], fmt, MAX_TOKENS=MAX_TOKENS, SEED=100 + i, TOP_K=TOP_K)
+        jobs.append(lambda inputs=inputs, fmt=fmt, i=i: stream_request(
+            server.grpc_url, model, inputs, fmt, timeout=240, request_id=f"s{i}"))
+    outs = run_concurrently(jobs)
+    for i, out in enumerate(outs):
+        assert_matches(out, reference(TEXTS[i], VOICES[i % 4], 100 + i), formats[i % len(formats)],
+                       f"{model} stream {i}")
+
+
+# ---------------------------------------------------------------- bad input
+
+
+BAD_INPUTS = {
+    "missing TEXT": (dict(text=None), "TEXT is required"),
+    "empty TEXT": (dict(text="   "), "TEXT is empty"),
+    "non-UTF-8 TEXT": (dict(text=b"\xff\xfe\xfd"), "not valid UTF-8"),
+    "text over the limit": (dict(text="word " * 2000), "limit"),
+    "unknown voice": (dict(text="hello", voice="nobody"), "unknown voice"),
+    "temperature < 0": (dict(text="hello", TEMPERATURE=-0.5), "TEMPERATURE must be >= 0"),
+    "top_p = 0": (dict(text="hello", TOP_P=0.0), "TOP_P must be in"),
+    "top_k < 0": (dict(text="hello", TOP_K=-1), "TOP_K must be >= 0"),
+    "min_p > 1": (dict(text="hello", MIN_P=1.5), "MIN_P must be in"),
+    "repetition_penalty = 0": (dict(text="hello", REPETITION_PENALTY=0.0), "REPETITION_PENALTY must be in"),
+    "max_tokens = 0": (dict(text="hello", MAX_TOKENS=0), "MAX_TOKENS must be >= 1"),
+    "negative seed": (dict(text="hello", SEED=-1), "SEED must be in"),
+    "unknown audio format": (dict(text="hello", audio_format="mp3"), "AUDIO_FORMAT must be one of"),
+}
+
+
+def bad_cases():
+    for name, (kw, message) in BAD_INPUTS.items():
+        kw = dict(kw)
+        yield name, make_inputs(kw.pop("text"), kw.pop("voice", None), kw.pop("audio_format", None), **kw), message
+
+
+def _raw_inputs(kind: str) -> list:
+    """Inputs a typed client could not build: wrong dtype or shape (Triton itself rejects these)."""
+    text = tritonclient.InferInput("TEXT", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"hello"], dtype=np.object_))
+    if kind == "dtype":
+        bad = tritonclient.InferInput("TEMPERATURE", [1], "FP64")
+        bad.set_data_from_numpy(np.array([0.5], np.float64))
+    else:
+        bad = tritonclient.InferInput("TEXT", [2], "BYTES")
+        bad.set_data_from_numpy(np.array([b"a", b"b"], dtype=np.object_))
+        return [bad]
+    return [text, bad]
+
+
+def test_bad_inputs_get_one_final_error_while_a_long_stream_finishes_intact(server, reference):
+    long_text, long_seed, long_tokens = TEXTS[2], 7, 420
+    expected = reference(long_text, None, long_seed, long_tokens)
+    long_out: list[StreamOutcome] = []
+    t = threading.Thread(target=lambda: long_out.append(stream_request(
+        server.grpc_url, "orpheus", make_inputs(long_text, None, "fp32", MAX_TOKENS=long_tokens, SEED=long_seed, TOP_K=TOP_K),
+        "fp32", timeout=240)))
+    t.start()
+    time.sleep(0.5)
+    failures = []
+    for model in ("orpheus", "orpheus_engine"):
+        cases = list(bad_cases()) + [("wrong dtype", _raw_inputs("dtype"), "data-type is 'FP64'"),
+                  ("wrong shape", _raw_inputs("shape"), "unexpected shape")]
+        for name, inputs, message in cases:
+            out = stream_request(server.grpc_url, model, inputs, timeout=30, linger_s=0.2)
+            if not (out.error and message in out.error and out.responses == 1 and out.late_responses == 0
+                    and not out.chunks):
+                failures.append(f"{model} / {name}: error={out.error!r} responses={out.responses} "
+                                f"late={out.late_responses}")
+    t.join(240)
+    assert not failures, "\n".join(failures)
+    assert long_out and long_out[0].arrivals[-1] > long_out[0].send_time + 0.5, "the long stream overlapped"
+    assert_matches(long_out[0], expected, "fp32", "long stream")
+
+
+# ---------------------------------------------------------------- cancellation
+
+
+def test_cancelling_half_of_16_streams_leaves_the_rest_intact_and_frees_kv(server, reference):
+    tokens = 700
+    before = metric(server, "voxbackend_requests_finished_total", reason="cancelled")
+    jobs = []
+    for i in range(16):
+        model = "orpheus" if i < 12 else "orpheus_engine"  # the ensemble path needs cancel_channel
+        inputs = make_inputs(TEXTS[i], None, "fp32", MAX_TOKENS=tokens if i % 2 else MAX_TOKENS, SEED=300 + i,
+                             TOP_K=TOP_K)
+        jobs.append(lambda inputs=inputs, i=i, model=model: stream_request(
+            server.grpc_url, model, inputs, "fp32", timeout=240, cancel_after_chunks=2 if i % 2 else None))
+    outs = run_concurrently(jobs)
+    for i, out in enumerate(outs):
+        if i % 2:
+            assert out.error is None and out.finish_reason == "client-cancelled", (i, out.error)
+        else:
+            assert_matches(out, reference(TEXTS[i], None, 300 + i), "fp32", f"kept stream {i}")
+    # every cancelled stream ends as "cancelled" in the engine (with top_k=8 the tiny model practically never
+    # picks end-of-speech, so none of them finishes its 700 tokens first), and its KV pages come back
+    assert wait_for(lambda: metric(server, "voxbackend_requests_finished_total", reason="cancelled") - before
+                    == 8), "the engine did not see every cancellation"
+    assert wait_for(lambda: metric(server, "voxbackend_kv_pages_used") == 0
+                    and metric(server, "voxbackend_active_streams") == 0), "KV pages or streams left over"
+
+
+# ---------------------------------------------------------------- metrics and perf_analyzer
+
+
+def test_metrics_port_shows_the_custom_metrics(server):
+    stream_request(server.grpc_url, "orpheus", make_inputs(TEXTS[0], MAX_TOKENS=MAX_TOKENS, SEED=1))
+    labels = {"model": "orpheus_engine"}
+    assert metric(server, "voxbackend_ttfa_seconds_count", **labels) >= 1
+    ttfa_sum = metric(server, "voxbackend_ttfa_seconds_sum", **labels)
+    assert 0 < ttfa_sum / metric(server, "voxbackend_ttfa_seconds_count", **labels) < 30
+    assert metric_values(server, "voxbackend_late_chunks_total"), "late-chunk counter missing"
+    assert metric(server, "voxbackend_requests_finished_total", reason="length") \
+        + metric(server, "voxbackend_requests_finished_total", reason="stop") >= 1
+    assert metric(server, "voxbackend_kv_pages_total", **labels) == 1024
+    assert wait_for(lambda: metric(server, "voxbackend_kv_pages_used") == 0)
+    assert metric(server, "voxbackend_queued_requests") == 0
+    assert metric(server, "nv_inference_request_success", model="orpheus") >= 1  # Triton's own, alongside
+
+
+def _perf_analyzer() -> tuple[str, dict[str, str]] | None:
+    pa = Path(sys.executable).parent / "perf_analyzer"
+    if not pa.is_file():
+        return None
+    env = dict(os.environ)
+    try:
+        import nvidia.cuda_runtime as cudart
+
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([str(Path(cudart.__path__[0]) / "lib"),
+                                                  env.get("LD_LIBRARY_PATH", "")])
+    except ImportError:
+        pass
+    return str(pa), env
+
+
+def test_perf_analyzer_streams_against_the_ensemble(server, tmp_path):
+    found = _perf_analyzer()
+    if found is None:
+        pytest.skip("perf_analyzer not installed (it ships in tritonclient==2.51.0's wheel)")
+    pa, env = found
+    probe = subprocess.run([pa], env=env, capture_output=True, text=True)
+    if "error while loading shared libraries" in probe.stderr:
+        pytest.skip(f"perf_analyzer cannot run: {probe.stderr.strip()} (apt-get install libb64-0d; "
+                    "pip install nvidia-cuda-runtime-cu12)")
+    data = ROOT / "perf" / "data" / "pa_orpheus_max256.json"
+    if not data.is_file():  # written by perf/data/make_inputs.py; fall back to a small one of our own
+        data = tmp_path / "input.json"
+        data.write_text(json.dumps({"data": [{"TEXT": {"content": [t], "shape": [1]},
+                                              "MAX_TOKENS": {"content": [MAX_TOKENS], "shape": [1]}}
+                                             for t in TEXTS[:4]]}))
+    csv = tmp_path / "pa.csv"
+    cmd = [pa, "-m", "orpheus", "-u", server.grpc_url, "-i", "grpc", "--streaming", "--input-data", str(data),
+           "--concurrency-range", "2", "--measurement-mode", "count_windows", "--measurement-request-count", "6",
+           "-s", "100", "-r", "3", "-f", str(csv)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Throughput" in done.stdout and "Avg latency" in done.stdout
+    assert csv.is_file() and "Concurrency" in csv.read_text()

@@ -1,0 +1,117 @@
+"""Faults on a real tritonserver: a full queue and a dead engine, with the weights-free fake engine.
+
+The fake (voxbackend.triton.fake_engine) is selected through the same config parameters a deployment uses
+(engine_loader / frontend_loader), so everything between the client and the engine API is the real thing.
+The engine-death test runs last: it leaves the model without an engine.
+"""
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+pytest.importorskip("tritonclient.grpc")
+
+from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
+from voxbackend.triton import configs  # noqa: E402
+from voxbackend.triton.server import TritonServer, find_tritonserver  # noqa: E402
+
+try:
+    find_tritonserver()
+except FileNotFoundError as e:  # pragma: no cover
+    pytest.skip(f"no tritonserver: {e}", allow_module_level=True)
+
+FAKE = {
+    "checkpoint": "unused",  # the fake ignores it; a non-empty value skips building the default checkpoint
+    "engine_loader": "voxbackend.triton.fake_engine:load",
+    "frontend_loader": "voxbackend.triton.fake_engine:load_frontend",
+    "kv_pages": "100",  # two 700-token requests fit (45 pages each); more wait
+    "max_queue": "2",  # and beyond two waiting ones, requests are refused
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = configs.write_repository(tmp_path_factory.mktemp("repo") / "model_repository", FAKE)
+    srv = TritonServer(repo, log_file=tmp_path_factory.mktemp("triton") / "tritonserver.log")
+    srv.start(timeout=300)
+    yield srv
+    t0 = time.monotonic()
+    srv.stop()
+    # Triton 2.51 keeps an ensemble request whose decoupled step failed mid-stream counted as in flight, so
+    # after the engine-death test the server waits out its exit timeout (15 s, set by the launcher)
+    assert time.monotonic() - t0 < 30, "tritonserver did not stop"
+
+
+def metric(server, name: str) -> float:
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.MULTILINE))
+
+
+def run_concurrently(jobs) -> list[StreamOutcome]:
+    results: list = [None] * len(jobs)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, jobs[i]())) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+        time.sleep(0.02)  # arrive in order, so the first ones take the pages
+    for t in threads:
+        t.join(120)
+    return results
+
+
+@pytest.mark.parametrize("model", ["orpheus_engine", "orpheus"])
+def test_more_requests_than_the_pool_holds_queue_then_get_overloaded(server, model):
+    outs = run_concurrently([
+        lambda i=i: stream_request(server.grpc_url, model, make_inputs(f"request number {i:02d}", MAX_TOKENS=700),
+                                   "pcm16", timeout=60, linger_s=0.2)
+        for i in range(8)
+    ])
+    done = [o for o in outs if o.error is None]
+    refused = [o for o in outs if o.error is not None]
+    assert len(done) >= 4, "two running plus two queued must be served"  # the queue is a wait, not a refusal
+    assert refused, "past max_queue, requests must be refused"
+    for o in refused:
+        assert "EngineOverloaded" in o.error and "overloaded" in o.error and o.responses == 1, o.error
+    for o in done:
+        assert o.finish_reason == "length" and len(o.chunks) == 1 + len("request number 00")  # fake: 1 per id
+    assert all(o.late_responses == 0 for o in outs)
+    deadline = time.monotonic() + 10
+    while metric(server, "voxbackend_kv_pages_used") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(server, "voxbackend_kv_pages_used") == 0
+
+
+def test_an_engine_failure_ends_every_stream_with_an_error_and_refuses_new_ones(server):
+    assert metric(server, "voxbackend_engine_alive") == 1
+    victims: list[StreamOutcome] = []
+
+    def victim(i):
+        victims.append(stream_request(server.grpc_url, "orpheus" if i % 2 else "orpheus_engine",
+                                      make_inputs(f"a long stream {i}. " * 5, MAX_TOKENS=600), timeout=60))
+
+    threads = [threading.Thread(target=victim, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    # small enough to be admitted next to the two victims (44 KV pages each of 100)
+    killer = stream_request(server.grpc_url, "orpheus_engine", make_inputs("__die__ please", MAX_TOKENS=7), timeout=30)
+    for t in threads:
+        t.join(60)
+    assert killer.error and "engine failed" in killer.error
+    assert len(victims) == 2
+    for v in victims:  # they had audio, then one error; nothing hangs
+        assert v.chunks and v.error and "engine failed" in v.error, v.error
+    for model in ("orpheus", "orpheus_engine"):
+        after = stream_request(server.grpc_url, model, make_inputs("hello again"), timeout=30)
+        assert after.error and "EngineDead" in after.error, after.error
+    deadline = time.monotonic() + 5
+    while metric(server, "voxbackend_engine_alive") != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(server, "voxbackend_engine_alive") == 0

@@ -1,0 +1,281 @@
+"""The Triton glue without a server: request parsing, encodings, the response thread, settings, launcher helpers."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from voxbackend.errors import InvalidRequest
+from voxbackend.events import Event, EventKind
+from voxbackend.sampling_params import SamplingParams
+from voxbackend.triton import audio_encoding, fields
+from voxbackend.triton.cancel_channel import CancelListener, send_cancel
+from voxbackend.triton.fake_engine import FakeEngine
+from voxbackend.triton.loading import instance_settings
+from voxbackend.triton.streams import ResponseLoop, Stream, _Add
+
+
+def getter(**tensors):
+    return lambda name: tensors.get(name)
+
+
+def text(value) -> np.ndarray:
+    return np.array([value], dtype=np.object_)
+
+
+# ---------------------------------------------------------------- fields
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({}, "TEXT is required"),
+    ({"TEXT": text(b"   ")}, "TEXT is empty"),
+    ({"TEXT": text(b"\xff\xfeabc")}, "not valid UTF-8"),
+    ({"TEXT": np.array([b"a", b"b"], dtype=np.object_)}, "exactly one element"),
+    ({"TEXT": np.array([1.0], dtype=np.float32)}, "must be a UTF-8 string"),
+])
+def test_text_errors_name_the_field(inputs, message):
+    with pytest.raises(InvalidRequest, match=message):
+        fields.text_and_voice(getter(**inputs))
+
+
+def test_text_and_voice():
+    assert fields.text_and_voice(getter(TEXT=text("héllo".encode()), VOICE=text(b"leo"))) == ("héllo", "leo")
+    assert fields.text_and_voice(getter(TEXT=text(b"hi"), VOICE=text(b""))) == ("hi", None)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("TEMPERATURE", np.float32(-1), "TEMPERATURE must be >= 0"),
+    ("TOP_P", np.float32(0), "TOP_P must be in"),
+    ("TOP_K", np.int32(-3), "TOP_K must be >= 0"),
+    ("MIN_P", np.float32(2), "MIN_P must be in"),
+    ("REPETITION_PENALTY", np.float32(0), "REPETITION_PENALTY must be in"),
+    ("MAX_TOKENS", np.int32(0), "MAX_TOKENS must be >= 1"),
+    ("SEED", np.int64(-5), "SEED must be in"),
+    ("TEMPERATURE", np.float32("nan"), "TEMPERATURE must not be NaN"),
+])
+def test_sampling_errors_use_tensor_names(name, value, message):
+    with pytest.raises(InvalidRequest, match=message):
+        fields.sampling(getter(**{name: np.array([value])}), SamplingParams())
+
+
+def test_sampling_defaults_overrides_and_fp32_rounding():
+    defaults = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, max_tokens=1200)
+    p = fields.sampling(getter(TEMPERATURE=np.array([0.7], np.float32), MAX_TOKENS=np.array([64], np.int32),
+                               SEED=np.array([9], np.int64)), defaults)
+    # FP32 on the wire reads back as the decimal the client meant (0.7, not 0.699999988)
+    assert (p.temperature, p.top_p, p.max_tokens, p.seed) == (0.7, 0.8, 64, 9)
+    assert isinstance(fields.sampling(getter(), defaults).seed, int)  # drawn when absent
+    round_trip = fields.sampling(getter(**fields.sampling_tensors(p)), SamplingParams())
+    assert round_trip == p
+
+
+def test_audio_format_and_prompt_ids():
+    assert fields.audio_format(getter()) == "pcm16"
+    assert fields.audio_format(getter(AUDIO_FORMAT=text(b"FP32"))) == "fp32"
+    with pytest.raises(InvalidRequest, match="AUDIO_FORMAT must be one of"):
+        fields.audio_format(getter(AUDIO_FORMAT=text(b"mp3")))
+    assert fields.prompt_ids(getter(PROMPT_IDS=np.array([1, 2, 3], np.int64))) == [1, 2, 3]
+    with pytest.raises(InvalidRequest, match="PROMPT_IDS"):
+        fields.prompt_ids(getter(PROMPT_IDS=np.zeros(0, np.int64)))
+
+
+def test_encodings_round_trip_and_clip():
+    audio = np.array([0.0, 0.5, -0.5, 1.2, -3.0], np.float32)
+    pcm = audio_encoding.decode(audio_encoding.encode(audio, "pcm16"), "pcm16")
+    np.testing.assert_allclose(pcm, np.clip(audio, -1, 1), atol=1 / 32767)
+    assert audio_encoding.encode(audio, "pcm16")[:2] == b"\x00\x00" and len(audio_encoding.encode(audio, "pcm16")) == 10
+    np.testing.assert_array_equal(audio_encoding.decode(audio_encoding.encode(audio, "fp32"), "fp32"), audio)
+
+
+# ---------------------------------------------------------------- response thread
+
+
+class Recorder:
+    """A Responder that records what the loop sends."""
+
+    def __init__(self, cancelled: bool = False):
+        self.sent: list[tuple[dict | None, str | None, bool]] = []
+        self.cancelled = cancelled
+        self.done = threading.Event()
+
+    def send(self, outputs, error, final):
+        self.sent.append((outputs, error, final))
+        if final:
+            self.done.set()
+
+    def is_cancelled(self):
+        return self.cancelled
+
+    @property
+    def audio(self) -> np.ndarray:
+        chunks = [o["AUDIO"] for o, _, final in self.sent if o is not None and not final]
+        return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+
+
+class Metrics:
+    def __init__(self):
+        self.ttfa, self.late, self.reasons, self.last = [], 0, [], None
+
+    def first_audio(self, s):
+        self.ttfa.append(s)
+
+    def late_chunk(self):
+        self.late += 1
+
+    def finished(self, reason):
+        self.reasons.append(reason)
+
+    def gauges(self, active, queued, kv_used, kv_total, alive):
+        self.last = (active, queued, kv_used, kv_total, alive)
+
+
+@pytest.fixture
+def engine():
+    e = FakeEngine(kv_pages=4096, step_s=0.005)
+    e.start()
+    yield e
+    e.shutdown()
+
+
+def submit(loop: ResponseLoop, engine, rid: str, text_: str, responder: Recorder, max_tokens=70, seed=1):
+    loop.add(Stream(rid, responder, "fp32", time.monotonic(), 24000, stream_id=f"sid-{rid}"))
+    sampling = SamplingParams(max_tokens=max_tokens, seed=seed)
+    engine.submit(engine.model.prepare(text_), sampling, loop.on_event, request_id=rid)
+    return sampling
+
+
+def test_loop_streams_chunks_then_exactly_one_final(engine):
+    metrics = Metrics()
+    loop = ResponseLoop(engine, metrics, gauge_s=0.01)
+    loop.start()
+    recs = {f"r{i}": Recorder() for i in range(6)}
+    for i, (rid, rec) in enumerate(recs.items()):
+        submit(loop, engine, rid, f"hello number {i}", rec, seed=i)
+    for rec in recs.values():
+        assert rec.done.wait(10)
+    time.sleep(0.05)
+    loop.stop()
+    for i, rec in enumerate(recs.values()):
+        finals = [s for s in rec.sent if s[2]]
+        assert len(finals) == 1 and rec.sent[-1][2]
+        out, err, _ = rec.sent[-1]
+        assert err is None and out["FINAL"][0] and out["FINISH_REASON"][0] == b"length"
+        assert out["AUDIO"].size == 0 and out["CHUNK_INDEX"][0] == len(rec.sent) - 1
+        assert [o["CHUNK_INDEX"][0] for o, _, f in rec.sent if not f] == list(range(len(rec.sent) - 1))
+        assert rec.sent[0][0]["STREAM_ID"][0] == f"sid-r{i}".encode()
+        expected, _ = engine.synthesize(f"hello number {i}", sampling=SamplingParams(max_tokens=70, seed=i))
+        np.testing.assert_array_equal(rec.audio, expected)
+    assert len(metrics.ttfa) == 6 and metrics.reasons == ["length"] * 6
+    assert metrics.last[0] == 0 and metrics.last[2] == 0  # no stream open, no KV page in use
+
+
+def test_loop_cancels_when_the_client_is_gone_and_frees_pages(engine):
+    loop = ResponseLoop(engine, gauge_s=0.01)
+    loop.start()
+    gone, kept, by_channel = Recorder(cancelled=True), Recorder(), Recorder()
+    submit(loop, engine, "gone", "a long text " * 5, gone, max_tokens=7000)
+    submit(loop, engine, "kept", "short", kept, max_tokens=21)
+    submit(loop, engine, "chan", "a long text " * 5, by_channel, max_tokens=7000)
+    loop.request_cancel("chan")  # what cancel_channel delivers for an ensemble client
+    for rec in (gone, kept, by_channel):
+        assert rec.done.wait(10)
+    loop.stop()
+    assert gone.sent[-1][0]["FINISH_REASON"][0] == b"cancelled"
+    assert by_channel.sent[-1][0]["FINISH_REASON"][0] == b"cancelled"
+    assert kept.sent[-1][0]["FINISH_REASON"][0] == b"length"
+    deadline = time.monotonic() + 2
+    while engine.stats().kv_pages_used and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats().kv_pages_used == 0
+
+
+def test_loop_ends_every_stream_when_the_engine_dies(engine):
+    loop = ResponseLoop(engine)
+    loop.start()
+    victims = [Recorder() for _ in range(3)]
+    for i, rec in enumerate(victims):
+        submit(loop, engine, f"v{i}", "long text " * 5, rec, max_tokens=7000)
+    time.sleep(0.05)
+    killer = Recorder()
+    submit(loop, engine, "die", "__die__ now", killer)
+    for rec in (*victims, killer):
+        assert rec.done.wait(10)
+        assert rec.sent[-1][1] and rec.sent[-1][2]  # an error, with the final flag
+    loop.stop()
+    assert not engine.alive
+
+
+def test_loop_reject_sends_one_error_and_stop_closes_open_streams(engine):
+    loop = ResponseLoop(engine)
+    loop.start()
+    bad, open_ = Recorder(), Recorder()
+    loop.add(Stream("bad", bad, "pcm16", time.monotonic(), 24000))
+    loop.reject("bad", "InvalidRequest: TEXT is empty")
+    submit(loop, engine, "open", "long text " * 5, open_, max_tokens=7000)
+    assert bad.done.wait(5)
+    assert bad.sent == [(None, "InvalidRequest: TEXT is empty", True)]
+    loop.stop("shutting down")
+    assert open_.sent[-1][1] == "request aborted: shutting down" and open_.sent[-1][2]
+
+
+def test_late_chunks_follow_the_listener_model():
+    now = [0.0]
+    metrics = Metrics()
+    loop = ResponseLoop(engine=None, metrics=metrics, clock=lambda: now[0])
+    rec = Recorder()
+    loop._handle(_Add(Stream("r", rec, "fp32", 0.0, 1000)))
+    chunk = np.zeros(100, np.float32)  # 0.1 s each
+    for t in (0.5, 0.55, 0.65, 0.9):  # first audio at 0.5 s; 0.1 s of audio per chunk
+        now[0] = t
+        loop._handle(Event("r", EventKind.AUDIO, audio=chunk))
+    assert metrics.ttfa == [0.5]
+    assert metrics.late == 1  # only the chunk at 0.9 s: 0.3 s audio sent, 0.4 s elapsed
+
+
+def test_cancel_channel_round_trip():
+    got = []
+    listener = CancelListener(got.append)
+    sid = listener.stream_id("req-1")
+    assert send_cancel(sid)
+    deadline = time.monotonic() + 2
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    listener.close()
+    assert got == ["req-1"]
+    assert not send_cancel(sid)  # instance gone: no exception
+    assert not send_cancel("garbage")
+
+
+# ---------------------------------------------------------------- settings and launcher
+
+
+def test_instance_settings_split_glue_and_engine_options():
+    params = {"checkpoint": "/ckpt", "codec": "", "default_checkpoint": "x:y", "engine_loader": "voxbackend:load",
+              "device": "auto", "kv_pages": "128", "max_queue": ""}
+    s = instance_settings(params)
+    assert (s.checkpoint, s.codec) == ("/ckpt", None)
+    assert s.engine_options == {"device": "cpu", "kv_pages": "128"}  # auto -> cpu here; empty -> engine default
+    assert instance_settings(params, "GPU", 3).engine_options["device"] == "cuda:3"
+    with pytest.raises(ValueError, match="unknown engine parameters"):
+        instance_settings({**params, "kv_pagez": "1"})
+
+
+def test_launcher_prepares_a_backend_dir_with_this_pythons_stub(tmp_path: Path):
+    from voxbackend.triton.server import find_tritonserver, prepare_backend_dir, server_env
+
+    try:
+        install = find_tritonserver()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    assert install.binary.is_file()
+    backends = prepare_backend_dir(install, tmp_path / "backends")
+    if install.stub is not None:
+        assert (backends / "python" / "triton_python_backend_stub").is_file()
+        assert (backends / "python" / "libtriton_python.so").exists()
+    env = server_env(install, {"PATH": "/usr/bin"})
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
