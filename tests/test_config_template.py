@@ -71,3 +71,13 @@ def test_engine_is_decoupled_and_every_tensor_is_documented():
     assert "decoupled" not in rendered["orpheus_preprocess"] + rendered[configs.POSTPROCESS]
     for spec in (*schema.TEXT_INPUTS, *schema.ENGINE_INPUTS, *schema.ENGINE_OUTPUTS, *schema.POSTPROCESS_OUTPUTS):
         assert spec.doc, f"{spec.name} needs a doc line (it is the schema documentation in config.pbtxt)"
+
+
+def test_every_engine_parameter_is_an_engine_config_field():
+    from dataclasses import fields
+
+    from voxbackend.config import EngineConfig
+    from voxbackend.triton.loading import GLUE_PARAMS
+
+    engine_options = set(configs.ENGINE_PARAMS) - set(GLUE_PARAMS)
+    assert engine_options <= {f.name for f in fields(EngineConfig)}

@@ -73,11 +73,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server.start(timeout=args.timeout)
     print(f"ready: grpc {server.grpc_url}  http {server.http_url}  metrics {server.metrics_url}\n"
           f"log: {server.log_file}  (Ctrl-C stops)", flush=True)
-    while not stop.wait(1.0):
-        if server.proc.poll() is not None:
-            print(f"tritonserver exited with {server.proc.returncode}:\n{server.log_tail()}", file=sys.stderr)
-            return 1
-    code = server.stop()
+    try:
+        while not stop.wait(1.0):
+            if server.proc.poll() is not None:
+                print(f"tritonserver exited with {server.proc.returncode}:\n{server.log_tail()}", file=sys.stderr)
+                return 1
+    finally:
+        code = server.close()
     print(f"stopped (exit {code})")
     return 0
 

@@ -191,10 +191,16 @@ class TritonServer:
         code, self.proc = self.proc.returncode, None
         return code
 
+    def close(self) -> int | None:
+        """stop() and remove the temporary work folder (log included) if this object made one."""
+        code = self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+        return code
+
     def __enter__(self) -> "TritonServer":
         return self.start() if self.proc is None else self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
-        if self._tmp is not None:
-            self._tmp.cleanup()
+        self.close()
