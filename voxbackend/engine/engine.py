@@ -162,7 +162,9 @@ class Engine:
         finally:
             self.cancel(rid)  # a consumer that stops early frees the request; harmless once finished
 
-    def synthesize(self, text: str, voice: str | None = None, sampling: SamplingParams | None = None, **prepare_options):
+    def synthesize(
+        self, text: str, voice: str | None = None, sampling: SamplingParams | None = None, **prepare_options
+    ):
         chunks = list(self.stream(text, voice, sampling, **prepare_options))
         audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
         return audio, self.model.spec.sample_rate
@@ -230,7 +232,9 @@ class Engine:
             if (prompt < -1).any() or (prompt >= vocab[None, :]).any():
                 raise InvalidRequest(f"prompt ids of column j must be -1 (absent) or in [0, {list(vocab)}[j])")
         if len(prompt) >= spec.geometry.max_context:
-            raise InvalidRequest(f"prompt is {len(prompt)} positions; the model's context is {spec.geometry.max_context}")
+            raise InvalidRequest(
+                f"prompt is {len(prompt)} positions; the model's context is {spec.geometry.max_context}"
+            )
         return prompt.tolist()
 
     def _drain_inbox(self) -> None:
@@ -289,7 +293,9 @@ class Engine:
         batch = self._sampling_batch(sampled)
         steps = sample(logits, batch, token_ids)
         if self.model.spec.has_depth:  # the rest of each step's columns, all rows at once, on the device
-            steps = self.model.depth_step(rows, steps, lambda lg, col: sample(lg, self._column_batch(sampled, batch, col)))
+            steps = self.model.depth_step(
+                rows, steps, lambda lg, column: sample(lg, self._column_batch(sampled, batch, column))
+            )
         for r, step in zip(sampled, steps.tolist()):  # the one host transfer of the step
             r.output_ids.append(step)
             r.codes.extend(self.model.codes_from_step(step, len(r.codes)))
