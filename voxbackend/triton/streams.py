@@ -76,7 +76,8 @@ class _Cancel:
 class ResponseLoop:
     engine: object  # cancel(), stats(), alive
     metrics: Metrics = field(default_factory=NullMetrics)
-    poll_s: float = 0.02  # how often is_cancelled() is checked
+    poll_s: float = 0.02  # longest wait for an event before housekeeping
+    cancel_check_s: float = 0.1  # is_cancelled() is an IPC round trip per stream: not on every poll
     gauge_s: float = 0.25  # how often engine.stats() is read
     cancel_grace_s: float = 30.0  # a cancelled stream the engine never finishes is closed by us
     clock: Callable[[], float] = time.monotonic
@@ -86,6 +87,7 @@ class ResponseLoop:
         self._streams: dict[str, Stream] = {}
         self._thread: threading.Thread | None = None
         self._last_gauges = 0.0
+        self._last_cancel_check = 0.0
 
     # --- called from execute() (Triton's thread) ---
     def add(self, stream: Stream) -> None:
@@ -200,11 +202,14 @@ class ResponseLoop:
     def _housekeeping(self) -> None:
         now = self.clock()
         alive = getattr(self.engine, "alive", True)
+        check = now - self._last_cancel_check >= self.cancel_check_s
+        if check:
+            self._last_cancel_check = now
         for s in list(self._streams.values()):
             if not alive:
                 self._fail(s, "the engine stopped after an internal error; the model must be reloaded")
             elif s.cancel_at is None:
-                if self._cancelled(s):
+                if check and self._cancelled(s):
                     s.cancel_at = now
                     self.engine.cancel(s.request_id)
             elif now - s.cancel_at > self.cancel_grace_s:
