@@ -107,3 +107,16 @@ def test_stream_and_synthesize_on_a_started_engine(tiny_orpheus):
         assert audio.dtype == np.float32 and len(audio) == (42 // 7 - 3) * 2048
     finally:
         eng.shutdown()
+
+
+def test_frontend_needs_no_weights(engine, tiny_orpheus, tmp_path):
+    import shutil
+
+    from voxbackend.models.registry import load_frontend
+
+    model_dir = tmp_path / "orpheus"
+    shutil.copytree(tiny_orpheus[0], model_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    front = load_frontend(model_dir, tiny_orpheus[1])
+    assert type(front).__name__ == "OrpheusFrontend" and not hasattr(front, "backbone")
+    assert front.prepare("Hi there.", "zoe") == engine.model.prepare("Hi there.", "zoe")
+    assert front.spec == engine.model.spec and front.voices == engine.model.voices

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 POLICIES = ("online", "fcfs", "offline")
 
@@ -34,7 +36,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":
+        import torch  # lazily: light processes (postprocess, clients) import voxbackend without torch
+
         return getattr(torch, self.dtype)
 
     @classmethod

@@ -44,42 +44,25 @@ def frames_to_snac_codes(codes: np.ndarray, device: str) -> list[torch.Tensor]:
     return [c[:, :, 0], c[:, :, [1, 4]].reshape(b, -1), c[:, :, [2, 3, 5, 6]].reshape(b, -1)]
 
 
-class Orpheus(SpeechModel):
+class OrpheusFrontend(SpeechModel):
+    """Tokenizer, prompt rules and spec without any weights: what preprocessing instances need."""
+
     voices = VOICES
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        codec_dir: str | Path,
-        device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        constrain_audio: bool = True,
-    ):
-        hf = read_config(model_dir)
-        self.cfg = LlamaConfig.from_hf(hf)
-        self.device = device
-        self.backbone = build_llama(self.cfg, load_safetensors(model_dir), device, dtype)
+    def __init__(self, model_dir: str | Path, codec_dir: str | Path):
+        self.cfg = LlamaConfig.from_hf(read_config(model_dir))
         tokenizer_file = Path(model_dir) / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        self.codec = SnacDecoder.from_pretrained(codec_dir, device=device)
-        # Real Orpheus weights emit well-formed frames on their own; the mask only removes impossible tokens.
-        self.constrain_audio = constrain_audio
         self.spec = ModelSpec(
             name="orpheus",
             geometry=llama_geometry(self.cfg),
-            sample_rate=self.codec.sample_rate,
+            sample_rate=read_config(codec_dir).get("sampling_rate", 24000),
             codes_per_frame=FRAME,
             window=WindowSpec(frames=4, hop_frames=1, first_frames=4, flush_on_finish=False),
             stop_ids=(END_OF_SPEECH,),
         )
-        # lm_head rows of the stop token and of each codebook position, so constrained steps skip the rest
-        head = self.backbone.lm_head.weight
-        self._stop_head = head[END_OF_SPEECH]
-        self._code_heads = head[AUDIO_BASE : AUDIO_BASE + FRAME * CODEBOOK].view(FRAME, CODEBOOK, -1)
-        self._codebook_offsets = torch.arange(CODEBOOK, device=device)[None, :]
-        self._stop = torch.tensor([[END_OF_SPEECH]], device=device)
 
     def prepare(self, text: str, voice: str | None = None) -> list[int]:
         if not isinstance(text, str):
@@ -100,6 +83,31 @@ class Orpheus(SpeechModel):
 
     def default_sampling(self) -> SamplingParams:
         return SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, max_tokens=1200)
+
+
+class Orpheus(OrpheusFrontend):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        codec_dir: str | Path,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        constrain_audio: bool = True,
+    ):
+        super().__init__(model_dir, codec_dir)
+        self.device = device
+        self.backbone = build_llama(self.cfg, load_safetensors(model_dir), device, dtype)
+        self.codec = SnacDecoder.from_pretrained(codec_dir, device=device)
+        if self.codec.sample_rate != self.spec.sample_rate:
+            raise ValueError(f"codec sample rate {self.codec.sample_rate} != {self.spec.sample_rate}")
+        # Real Orpheus weights emit well-formed frames on their own; the mask only removes impossible tokens.
+        self.constrain_audio = constrain_audio
+        # lm_head rows of the stop token and of each codebook position, so constrained steps skip the rest
+        head = self.backbone.lm_head.weight
+        self._stop_head = head[END_OF_SPEECH]
+        self._code_heads = head[AUDIO_BASE : AUDIO_BASE + FRAME * CODEBOOK].view(FRAME, CODEBOOK, -1)
+        self._codebook_offsets = torch.arange(CODEBOOK, device=device)[None, :]
+        self._stop = torch.tensor([[END_OF_SPEECH]], device=device)
 
     def forward(self, input_ids, positions, attention):
         return self.backbone(input_ids, positions, attention)

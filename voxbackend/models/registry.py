@@ -3,10 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from voxbackend.models.base import SpeechModel
 from voxbackend.models.checkpoint import read_config
+
+if TYPE_CHECKING:
+    import torch
 
 CODEC_FOLDERS = ("snac_24khz", "snac")  # where a codec is looked for when none is given
 
@@ -19,8 +22,31 @@ def find_codec_dir(model_dir: Path) -> Path | None:
     return None
 
 
+def load_frontend(model_dir: str | Path, codec_dir: str | Path | None = None) -> SpeechModel:
+    """What preprocessing needs (prepare, default_sampling, voices, spec): without LM weights where the model
+    allows, so several CPU preprocess instances never hold copies of a 3B model."""
+    model_dir = Path(model_dir)
+    from voxbackend.models.orpheus import OrpheusFrontend, is_orpheus_config
+
+    if is_orpheus_config(read_config(model_dir)):
+        return OrpheusFrontend(model_dir, _orpheus_codec(model_dir, codec_dir))
+    import torch
+
+    return load_model(model_dir, codec_dir, "cpu", torch.float32)
+
+
+def _orpheus_codec(model_dir: Path, codec_dir: str | Path | None) -> Path:
+    codec = Path(codec_dir) if codec_dir else find_codec_dir(model_dir)
+    if codec is None:
+        raise FileNotFoundError(
+            f"Orpheus needs the SNAC 24 kHz codec folder (hubertsiuzdak/snac_24khz); pass codec_dir or put it "
+            f"at {model_dir / 'snac_24khz'}"
+        )
+    return codec
+
+
 def load_model(
-    model_dir: str | Path, codec_dir: str | Path | None, device: str, dtype: torch.dtype, kind: str | None = None
+    model_dir: str | Path, codec_dir: str | Path | None, device: str, dtype: "torch.dtype", kind: str | None = None
 ) -> SpeechModel:
     model_dir = Path(model_dir)
     hf = read_config(model_dir)
@@ -36,13 +62,7 @@ def load_model(
     if kind == "orpheus":
         from voxbackend.models.orpheus import Orpheus
 
-        codec = Path(codec_dir) if codec_dir else find_codec_dir(model_dir)
-        if codec is None:
-            raise FileNotFoundError(
-                f"Orpheus needs the SNAC 24 kHz codec folder (hubertsiuzdak/snac_24khz); pass codec_dir or put it "
-                f"at {model_dir / 'snac_24khz'}"
-            )
-        return Orpheus(model_dir, codec, device, dtype)
+        return Orpheus(model_dir, _orpheus_codec(model_dir, codec_dir), device, dtype)
     if kind == "llama":
         if "LlamaForCausalLM" not in hf.get("architectures", ["LlamaForCausalLM"]):
             raise ValueError(f"unsupported architecture {hf.get('architectures')} in {model_dir}")
