@@ -62,15 +62,37 @@ def test_ensemble_steps_follow_the_decoupled_origin_rule(model):
     # every engine input the preprocess produces is wired; every client output comes from the postprocess
     assert set(eng_in.values()) <= set(pre_out.values())
     assert set(post_out.values()) == {s.name for s in schema.POSTPROCESS_OUTPUTS}
-    assert set(pre_in) == {s.name for s in schema.TEXT_INPUTS}
+    assert set(pre_in) == {s.name for s in schema.client_inputs(model.input_specs)}
 
 
 def test_engine_is_decoupled_and_every_tensor_is_documented():
     rendered = configs.render_all()
     assert "decoupled: true" in rendered["orpheus_engine"]
     assert "decoupled" not in rendered["orpheus_preprocess"] + rendered[configs.POSTPROCESS]
-    for spec in (*schema.TEXT_INPUTS, *schema.ENGINE_INPUTS, *schema.ENGINE_OUTPUTS, *schema.POSTPROCESS_OUTPUTS):
+    model_inputs = [s for specs in schema.MODEL_INPUTS.values() for s in specs]
+    for spec in (*schema.TEXT_INPUTS, *schema.ENGINE_INPUTS, *schema.ENGINE_OUTPUTS, *schema.POSTPROCESS_OUTPUTS,
+                 *model_inputs):
         assert spec.doc, f"{spec.name} needs a doc line (it is the schema documentation in config.pbtxt)"
+
+
+@pytest.mark.parametrize("model", configs.SERVED_MODELS, ids=lambda m: m.name)
+def test_each_model_declares_its_own_inputs_and_the_runtime_finds_them(model):
+    from voxbackend.triton.loading import request_inputs
+
+    rendered = configs.render_all()
+    own = {s.name for s in model.input_specs}
+    for name in (model.preprocess, model.engine, model.name):
+        declared = set(re.findall(r'name: "(\w+)"\n    data_type', rendered[name].split("output [")[0]))
+        assert own <= declared, f"{name} lacks {own - declared}"
+    engine_inputs = set(re.findall(r'name: "(\w+)"\n    data_type', rendered[model.engine].split("output [")[0]))
+    for other in configs.SERVED_MODELS:  # no other model's own inputs leak into this one's configs
+        leaked = ({s.name for s in other.input_specs} - own) & engine_inputs
+        assert not leaked, f"{model.engine} declares {other.name}'s inputs {leaked}"
+    for name in (model.preprocess, model.engine):
+        params = dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', rendered[name]))
+        assert request_inputs(params) == model.input_specs
+    for spec in model.input_specs:
+        assert spec.arg, f"{spec.name}: which prepare() argument does it fill?"
 
 
 def test_every_engine_parameter_is_an_engine_config_field():

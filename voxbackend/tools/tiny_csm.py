@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -60,6 +62,33 @@ def write_tiny_csm(out_dir: str | Path, seed: int = 0) -> Path:
     model.save_pretrained(out)
     _write_tokenizer(out)
     return out
+
+
+def ensure_default_csm(root: str | Path | None = None) -> tuple[Path, None]:
+    """(model_dir, None): the tiny CSM the `csm` Triton models serve when no checkpoint is configured.
+
+    Built once into `<VOXBACKEND_CACHE>-csm` (default ~/.cache/voxbackend/default-csm), next to the Orpheus
+    default, through a temporary folder and an atomic rename; reused afterwards. The Mimi codec is inside
+    the checkpoint (codec_model.*), so there is no codec folder.
+    """
+    if root is None:
+        base = Path(os.environ.get("VOXBACKEND_CACHE") or Path.home() / ".cache" / "voxbackend" / "default")
+        root = base.with_name(base.name + "-csm")
+    root = Path(root)
+    if not (root / ".complete").exists():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
+        try:
+            write_tiny_csm(tmp / "csm", seed=0)
+            (tmp / ".complete").write_text("ok\n")
+            try:
+                os.rename(tmp, root)  # atomic; fails when another process already put a complete one there
+            except OSError:
+                if not (root / ".complete").exists():
+                    raise RuntimeError(f"{root} exists but is not a complete checkpoint; delete it and retry")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return root / "csm", None
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 Each served SpeechLM is one `ServedModel` entry; it yields three configs (`<name>_preprocess`,
 `<name>_engine`, the `<name>` ensemble) and shares `audio_postprocess`. Adding a model is one entry here
-plus its folders' 1/model.py files (three lines each).
+(its own request inputs are a schema.MODEL_INPUTS name) plus its folders' 1/model.py files (three lines each).
 
     python -m voxbackend.triton.configs            # rewrite model_repository/*/config.pbtxt
     python -m voxbackend.triton.configs --check    # exit 1 if a committed config differs
@@ -45,8 +45,13 @@ class ServedModel:
     name: str  # ensemble name; engine and preprocess models are named after it
     description: str
     default_checkpoint: str  # module:function() -> (model_dir, codec_dir), used when checkpoint is empty
+    inputs: str = "voice"  # schema.MODEL_INPUTS key: the model's own request inputs beyond TEXT and sampling
     engine_params: dict[str, str] = field(default_factory=dict)  # overrides of ENGINE_PARAMS
     preprocess_instances: int = 2
+
+    @property
+    def input_specs(self) -> tuple[TensorSpec, ...]:
+        return schema.MODEL_INPUTS[self.inputs]
 
     @property
     def engine(self) -> str:
@@ -57,7 +62,8 @@ class ServedModel:
         return f"{self.name}_preprocess"
 
     def params(self, overrides: dict[str, str] | None = None) -> dict[str, str]:
-        merged = {**ENGINE_PARAMS, "default_checkpoint": self.default_checkpoint, **self.engine_params}
+        merged = {**ENGINE_PARAMS, "default_checkpoint": self.default_checkpoint, "request_inputs": self.inputs,
+                  **self.engine_params}
         for key, value in (overrides or {}).items():
             if key not in merged:
                 raise ValueError(f"unknown engine parameter {key!r}; known: {sorted(merged)}")
@@ -70,6 +76,12 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
         name="orpheus",
         description="Orpheus TTS (Llama backbone, SNAC 24 kHz codec)",
         default_checkpoint="voxbackend.tools.tiny_checkpoint:ensure_default_checkpoint",
+    ),
+    ServedModel(
+        name="csm",
+        description="CSM-1B (Llama backbone + depth decoder, Mimi 24 kHz codec)",
+        default_checkpoint="voxbackend.tools.tiny_csm:ensure_default_csm",
+        inputs="speaker_context",
     ),
 )
 
@@ -113,7 +125,7 @@ def _step(model: str, inputs: dict[str, str], outputs: dict[str, str]) -> str:
 def render_ensemble(m: ServedModel) -> str:
     # Decoupled-origin rule: the postprocess reads only engine outputs (AUDIO_FORMAT travels through the engine).
     names = lambda specs: [s.name for s in specs]  # noqa: E731
-    pre_in = {n: n for n in names(schema.TEXT_INPUTS)}
+    pre_in = {n: n for n in names(schema.client_inputs(m.input_specs))}
     pre_out = {n: f"_pre_{n.lower()}" for n in names(schema.PREPROCESS_OUTPUTS)}
     eng_out = {n: f"_eng_{n.lower()}" for n in names(schema.ENGINE_OUTPUTS)}
     post_out = {n: n for n in names(schema.POSTPROCESS_OUTPUTS)}
@@ -125,7 +137,8 @@ def render_ensemble(m: ServedModel) -> str:
     return (
         HEADER + f"# {m.description}: text in, a stream of encoded audio chunks out (decoupled via the engine).\n"
         f'name: "{m.name}"\nplatform: "ensemble"\nmax_batch_size: 0\n'
-        + _tensor_block("input", schema.TEXT_INPUTS) + _tensor_block("output", schema.POSTPROCESS_OUTPUTS)
+        + _tensor_block("input", schema.client_inputs(m.input_specs))
+        + _tensor_block("output", schema.POSTPROCESS_OUTPUTS)
         + f"ensemble_scheduling {{\n  step [\n{steps}\n  ]\n}}\n"
     )
 
@@ -143,12 +156,14 @@ def render_all(overrides: dict[str, str] | None = None) -> dict[str, str]:
     for m in SERVED_MODELS:
         params = m.params(overrides)
         configs[m.preprocess] = _python_model(
-            m.preprocess, f"{m.description}: text, voice, sampling -> validated prompt ids and sampling fields.",
-            schema.TEXT_INPUTS, schema.PREPROCESS_OUTPUTS, instances=m.preprocess_instances,
-            params={k: params[k] for k in ("checkpoint", "codec", "default_checkpoint", "frontend_loader")})
+            m.preprocess, f"{m.description}: text, {', '.join(s.name for s in m.input_specs)}, sampling -> "
+            "validated prompt ids and sampling fields.",
+            schema.client_inputs(m.input_specs), schema.PREPROCESS_OUTPUTS, instances=m.preprocess_instances,
+            params={k: params[k] for k in ("checkpoint", "codec", "default_checkpoint", "frontend_loader",
+                                           "request_inputs")})
         configs[m.engine] = _python_model(
             m.engine, f"{m.description}: the engine, one per instance; streams float audio chunks.",
-            schema.ENGINE_INPUTS, schema.ENGINE_OUTPUTS, instances=1, decoupled=True,
+            schema.engine_inputs(m.input_specs), schema.ENGINE_OUTPUTS, instances=1, decoupled=True,
             params={k: v for k, v in params.items() if k != "frontend_loader"})
         configs[m.name] = render_ensemble(m)
     return configs

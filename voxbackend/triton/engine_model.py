@@ -13,7 +13,7 @@ import uuid
 from voxbackend.errors import EngineDead, EngineOverloaded, InvalidRequest
 from voxbackend.triton import fields
 from voxbackend.triton.cancel_channel import CancelListener
-from voxbackend.triton.loading import instance_settings, load_engine, model_parameters
+from voxbackend.triton.loading import instance_settings, load_engine, model_parameters, request_inputs
 from voxbackend.triton.metrics import TritonMetrics
 from voxbackend.triton.pb_glue import TritonResponder, input_getter, route_logging
 from voxbackend.triton.schema import DEFAULT_AUDIO_FORMAT
@@ -31,9 +31,10 @@ class EngineModel:
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise ValueError(f"{args['model_name']} must set model_transaction_policy {{ decoupled: true }}")
+        params = model_parameters(config)
+        self.inputs = request_inputs(params)
         settings = instance_settings(
-            model_parameters(config), args.get("model_instance_kind", "CPU"),
-            int(args.get("model_instance_device_id", 0) or 0))
+            params, args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0) or 0))
         self.engine = load_engine(settings)
         self.model = self.engine.model
         self.sample_rate = int(self.model.spec.sample_rate)
@@ -64,9 +65,9 @@ class EngineModel:
                              stream_id=self.cancels.stream_id(request_id)))
         try:
             fields.audio_format(get)
-            ids = fields.prompt_ids(get)
-            if ids is None:
-                ids = self.model.prepare(*fields.text_and_voice(get))
+            ids = fields.prompt_ids(get, self.model.spec.token_columns)
+            if ids is None:  # a direct client: prepare here (Triton's thread, not the engine's)
+                ids = fields.prepare_request(get, self.model, self.inputs)
             sampling = fields.sampling(get, self.model.default_sampling())
             self.engine.submit(ids, sampling, self.loop.on_event, request_id=request_id)
         except (InvalidRequest, EngineOverloaded, EngineDead) as e:

@@ -6,13 +6,14 @@ InvalidRequest with a message that names the field.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable
 
 import numpy as np
 
 from voxbackend.errors import InvalidRequest
 from voxbackend.sampling_params import SamplingParams
-from voxbackend.triton.schema import AUDIO_FORMATS, DEFAULT_AUDIO_FORMAT, SAMPLING_FIELDS
+from voxbackend.triton.schema import AUDIO_FORMATS, DEFAULT_AUDIO_FORMAT, SAMPLING_FIELDS, TensorSpec
 
 Getter = Callable[[str], "np.ndarray | None"]
 
@@ -41,12 +42,143 @@ def string_field(get: Getter, name: str, required: bool = False) -> str | None:
         raise InvalidRequest(f"{name} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
 
 
-def text_and_voice(get: Getter) -> tuple[str, str | None]:
+def text_field(get: Getter) -> str:
     text = string_field(get, "TEXT", required=True)
     if not text.strip():
         raise InvalidRequest("TEXT is empty")
+    return text
+
+
+def text_and_voice(get: Getter) -> tuple[str, str | None]:
+    text = text_field(get)
     voice = string_field(get, "VOICE")
     return text, (voice or None)
+
+
+def prepare_request(get: Getter, model, specs: tuple[TensorSpec, ...]) -> list:
+    """TEXT and the model's own inputs (schema.MODEL_INPUTS) -> model.prepare(...) -> prompt ids or rows."""
+    text = text_field(get)
+    rate = int(getattr(model, "input_sample_rate", 0) or model.spec.sample_rate)  # the rate its encoder wants
+    kwargs = prepare_kwargs(get, specs, rate)
+    try:
+        return model.prepare(text, **kwargs)
+    except InvalidRequest as e:
+        raise InvalidRequest(_input_names(str(e), specs)) from None
+
+
+def prepare_kwargs(get: Getter, specs: tuple[TensorSpec, ...], audio_rate: int) -> dict:
+    """The model's inputs as prepare() keywords; absent (or empty-string) inputs are left to the model's default.
+
+    Inputs that share a `segment` become one list of dicts, element i of each input going to segment i;
+    they must all be present with the same number of elements.
+    """
+    kwargs: dict = {}
+    segments: dict[str, list[TensorSpec]] = {}
+    for spec in specs:
+        if spec.segment:
+            segments.setdefault(spec.segment, []).append(spec)
+            continue
+        value = get(spec.name)
+        if value is not None:
+            item = _scalar(spec, value)
+            if item is not None:
+                kwargs[spec.arg] = item
+    for segment, group in segments.items():
+        parsed = _segments(get, group, audio_rate)
+        if parsed is not None:
+            kwargs[segment] = parsed
+    return kwargs
+
+
+def _scalar(spec: TensorSpec, value: np.ndarray):
+    if spec.dtype == "STRING":
+        return string_field(lambda _: value, spec.name) or None
+    return _numbers(spec, np.asarray(_single(spec.name, value)).reshape(1))[0]
+
+
+def _numbers(spec: TensorSpec, value: np.ndarray) -> list:
+    integer = spec.dtype.startswith("INT")
+    if value.dtype.kind not in ("iu" if integer else "iuf"):
+        what = ("an integer" if integer else "a number") if spec.dims == (1,) else ("integers" if integer else "numbers")
+        raise InvalidRequest(f"{spec.name} must be {what}, got {value.dtype}")
+    return [int(v) if integer else float(v) for v in value]
+
+
+def _segments(get: Getter, group: list[TensorSpec], audio_rate: int) -> list[dict] | None:
+    values = {s.name: get(s.name) for s in group}
+    present = [s for s in group if values[s.name] is not None]
+    if not present:
+        return None
+    for s in present:
+        if values[s.name].ndim != 1:
+            raise InvalidRequest(f"{s.name} must be a 1-D tensor (one element per segment), "
+                                 f"got shape {list(values[s.name].shape)}")
+    parts = [s for s in group if s.kind != "rate"]
+    first = next((s for s in parts if values[s.name] is not None), present[0])
+    n = len(values[first.name]) if values[first.name] is not None else 0
+    for s in parts:
+        if values[s.name] is None:
+            raise InvalidRequest(f"{s.name} is missing: send {', '.join(p.name for p in parts)} together, "
+                                 f"one element per context segment")
+        if len(values[s.name]) != n:
+            raise InvalidRequest(f"{s.name} has {len(values[s.name])} element(s) but {first.name} has {n}: "
+                                 f"send one element per segment in each")
+    rates = {s.arg: (s, values[s.name]) for s in group if s.kind == "rate" and values[s.name] is not None}
+    out: list[dict] = [{} for _ in range(n)]
+    for s in parts:
+        if s.kind == "audio":
+            items = _audio(s, values[s.name], rates.get(s.arg), n, audio_rate)
+        elif s.dtype == "STRING":
+            items = [string_field(lambda _, v=v: np.array([v], dtype=np.object_), f"{s.name}[{i}]", required=True)
+                     for i, v in enumerate(values[s.name])]
+        else:
+            items = _numbers(s, values[s.name])
+        for seg, item in zip(out, items):
+            seg[s.arg] = item
+    return out
+
+
+def _audio(spec: TensorSpec, value: np.ndarray, rate: tuple[TensorSpec, np.ndarray] | None, n: int,
+           target_rate: int) -> list:
+    """Audio files (bytes), or raw little-endian float32 samples at the given rate(s) -> float32 at target_rate."""
+    try:
+        from voxbackend.audio_io import read_audio
+    except ImportError:
+        raise InvalidRequest(f"{spec.name}: this build cannot read audio (voxbackend.audio_io is missing)") from None
+    rates = None
+    if rate is not None:
+        rates = _numbers(*rate)
+        if len(rates) not in (1, n):
+            raise InvalidRequest(f"{rate[0].name} needs 1 or {n} element(s) (one per segment), got {len(rates)}")
+        rates = rates * n if len(rates) == 1 else rates
+    out = []
+    for i, item in enumerate(value):
+        name = f"{spec.name}[{i}]"
+        if not isinstance(item, (bytes, np.bytes_)):
+            raise InvalidRequest(f"{name} must be BYTES, got {type(item).__name__}")
+        data = bytes(item)
+        if rates is not None:  # raw samples, no header
+            if len(data) % 4:
+                raise InvalidRequest(f"{name}: raw float32 samples need a multiple of 4 bytes, got {len(data)}")
+            data = np.frombuffer(data, dtype="<f4").astype(np.float32)  # read_audio resamples it
+        out.append(read_audio(data, rates[i] if rates is not None else None, target_rate, field=name))
+    return out
+
+
+def _input_names(message: str, specs: tuple[TensorSpec, ...]) -> str:
+    """A model's message speaks in prepare() argument names; the client sent tensor names."""
+    if message.startswith("text "):
+        return "TEXT" + message[4:]
+    for s in specs:
+        if s.kind == "rate":
+            continue
+        if s.segment:
+            prefix = re.match(rf"{s.segment}\[(\d+)\]\.{s.arg}\b", message)
+            if prefix:
+                return f"{s.name}[{prefix.group(1)}]" + message[prefix.end():]
+        elif message.startswith(s.arg + " "):
+            return s.name + message[len(s.arg):]
+    return message
 
 
 def sampling(get: Getter, defaults: SamplingParams) -> SamplingParams:
@@ -75,13 +207,23 @@ def audio_format(get: Getter) -> str:
     return fmt
 
 
-def prompt_ids(get: Getter) -> list[int] | None:
+def prompt_ids(get: Getter, columns: int = 1) -> list[int] | list[list[int]] | None:
+    """Ids [L]; for multi-column models the flattened rows, returned as [L, columns]."""
     value = get("PROMPT_IDS")
     if value is None:
         return None
     if value.ndim != 1 or value.size == 0:
         raise InvalidRequest(f"PROMPT_IDS must be a non-empty 1-D INT64 tensor, got shape {list(value.shape)}")
-    return [int(x) for x in value]
+    if columns == 1:
+        return [int(x) for x in value]
+    if value.size % columns:
+        raise InvalidRequest(f"PROMPT_IDS must hold rows of {columns} ids (flattened), got {value.size} ids")
+    return value.astype(np.int64).reshape(-1, columns).tolist()
+
+
+def flat_prompt(ids: list[int] | list[list[int]]) -> np.ndarray:
+    """prepare()'s ids or rows -> the 1-D PROMPT_IDS tensor."""
+    return np.asarray(ids, dtype=np.int64).reshape(-1)
 
 
 def sampling_tensors(params: SamplingParams) -> dict[str, np.ndarray]:

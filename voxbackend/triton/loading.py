@@ -16,7 +16,7 @@ from typing import Any, Callable
 from voxbackend.config import EngineConfig
 
 # Parameters the glue itself consumes; every other non-empty one is an engine option.
-GLUE_PARAMS = ("checkpoint", "codec", "default_checkpoint", "engine_loader", "frontend_loader")
+GLUE_PARAMS = ("checkpoint", "codec", "default_checkpoint", "engine_loader", "frontend_loader", "request_inputs")
 
 
 @dataclass
@@ -112,6 +112,16 @@ def default_frontend(model_dir: str, codec_dir: str | None = None):
     import torch
 
     return registry.load_model(model_dir, codec_dir, "cpu", torch.float32)
+
+
+def request_inputs(params: dict[str, str]) -> tuple:
+    """The model's own request inputs (schema.MODEL_INPUTS), named by the `request_inputs` parameter."""
+    from voxbackend.triton.schema import MODEL_INPUTS
+
+    name = params.get("request_inputs") or "voice"
+    if name not in MODEL_INPUTS:
+        raise ValueError(f"unknown request_inputs {name!r} in config.pbtxt; known: {sorted(MODEL_INPUTS)}")
+    return MODEL_INPUTS[name]
 
 
 def load_frontend(params: dict[str, str]):

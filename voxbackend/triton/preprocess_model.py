@@ -1,7 +1,8 @@
-"""Non-decoupled CPU model: text, voice and sampling fields -> prompt ids and validated sampling fields.
+"""Non-decoupled CPU model: text, the model's own inputs (voice, speaker, context audio...) and sampling fields
+-> prompt ids and validated sampling fields.
 
-Tokenization runs here, in several instances, so it never runs on the engine thread. Bad input gets one
-error response naming the field.
+Tokenization and reference-audio encoding run here, in several instances, so they never run on the engine
+thread. Bad input gets one error response naming the field.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 from voxbackend.errors import InvalidRequest
 from voxbackend.triton import fields
 from voxbackend.triton.pb_glue import error_response, input_getter, response
-from voxbackend.triton.loading import load_frontend, model_parameters
+from voxbackend.triton.loading import load_frontend, model_parameters, request_inputs
 
 
 class PreprocessModel:
@@ -22,15 +23,16 @@ class PreprocessModel:
         import triton_python_backend_utils as pb_utils
 
         self.pb = pb_utils
-        self.model = load_frontend(model_parameters(json.loads(args["model_config"])))
+        params = model_parameters(json.loads(args["model_config"]))
+        self.inputs = request_inputs(params)
+        self.model = load_frontend(params)
 
     def outputs(self, get) -> dict[str, np.ndarray]:
-        text, voice = fields.text_and_voice(get)
         fmt = fields.audio_format(get)
-        ids = self.model.prepare(text, voice)
+        ids = fields.prepare_request(get, self.model, self.inputs)
         sampling = fields.sampling(get, self.model.default_sampling())
         return {
-            "PROMPT_IDS": np.asarray(ids, dtype=np.int64),
+            "PROMPT_IDS": fields.flat_prompt(ids),
             **fields.sampling_tensors(sampling),
             "AUDIO_FORMAT": np.array([fmt.encode()], dtype=np.object_),
         }

@@ -1,7 +1,10 @@
 """Tensor names and types of the Triton request schema, shared by the configs and the models.
 
 One table is the source of truth: configs.py renders config.pbtxt from it and the models read and write
-tensors by these names, so the two can't drift apart.
+tensors by these names, so the two can't drift apart. Inputs common to every SpeechLM (TEXT, sampling,
+AUDIO_FORMAT) are fixed here; each model declares its own extra inputs in MODEL_INPUTS (VOICE for Orpheus;
+SPEAKER and context segments for CSM) with the `prepare()` keyword each one fills, so the glue parses them
+without knowing the model.
 """
 from __future__ import annotations
 
@@ -18,6 +21,10 @@ class TensorSpec:
     dims: tuple[int, ...] = (1,)
     optional: bool = False
     doc: str = ""
+    # --- model-specific inputs only (MODEL_INPUTS): how fields.prepare_kwargs hands them to model.prepare ---
+    arg: str = ""  # the prepare() keyword (or segment key) this input fills
+    segment: str = ""  # set: one element per segment; prepare(<segment>=[{arg: value, ...}, ...])
+    kind: str = ""  # "audio": BYTES elements are audio files (or raw float32 with a rate); "rate": that rate
 
 
 # Sampling fields: Triton name -> SamplingParams attribute.
@@ -42,28 +49,58 @@ _SAMPLING_SPECS = (
 )
 _FORMAT_SPEC = TensorSpec("AUDIO_FORMAT", "STRING", optional=True, doc='"pcm16" (default) or "fp32"')
 
-# What a client sends to the ensemble (and may send to the engine model directly).
-TEXT_INPUTS = (
-    TensorSpec("TEXT", "STRING", optional=True, doc="UTF-8 text to speak; required (optional here so a missing TEXT gets our clear error)"),
-    TensorSpec("VOICE", "STRING", optional=True, doc="one of the model's voices; model default when absent"),
-    *_SAMPLING_SPECS,
-    _FORMAT_SPEC,
-)
+_TEXT_SPEC = TensorSpec("TEXT", "STRING", optional=True,
+                        doc="UTF-8 text to speak; required (optional here so a missing TEXT gets our clear error)")
+
+# Each model's own inputs, by request-schema name (ServedModel.inputs; the `request_inputs` config parameter).
+MODEL_INPUTS: dict[str, tuple[TensorSpec, ...]] = {
+    "voice": (
+        TensorSpec("VOICE", "STRING", optional=True, doc="one of the model's voices; model default when absent",
+                   arg="voice"),
+    ),
+    "speaker_context": (
+        TensorSpec("SPEAKER", "INT32", optional=True, doc="speaker id of TEXT, in [0, 10); 0 when absent",
+                   arg="speaker"),
+        TensorSpec("CONTEXT_TEXT", "STRING", (-1,), optional=True,
+                   doc="context segments (earlier turns that set the voice): one UTF-8 text per segment",
+                   arg="text", segment="context"),
+        TensorSpec("CONTEXT_SPEAKER", "INT32", (-1,), optional=True, doc="speaker id per context segment",
+                   arg="speaker", segment="context"),
+        TensorSpec("CONTEXT_AUDIO", "STRING", (-1,), optional=True,
+                   doc="audio per context segment: a WAV/FLAC/OGG file's bytes, or raw little-endian float32 "
+                       "samples when CONTEXT_SAMPLE_RATE is sent", arg="audio", segment="context", kind="audio"),
+        TensorSpec("CONTEXT_SAMPLE_RATE", "INT32", (-1,), optional=True,
+                   doc="Hz of raw float32 CONTEXT_AUDIO: one value for all segments or one per segment",
+                   arg="audio", segment="context", kind="rate"),
+    ),
+}
+
+
+def client_inputs(model_inputs: tuple[TensorSpec, ...] = MODEL_INPUTS["voice"]) -> tuple[TensorSpec, ...]:
+    """What a client sends to the ensemble (and may send to the engine model directly)."""
+    return (_TEXT_SPEC, *model_inputs, *_SAMPLING_SPECS, _FORMAT_SPEC)
+
+
+def engine_inputs(model_inputs: tuple[TensorSpec, ...] = MODEL_INPUTS["voice"]) -> tuple[TensorSpec, ...]:
+    """Engine inputs: prompt ids (from the preprocess) or TEXT and the model's inputs (direct clients)."""
+    return (
+        TensorSpec("PROMPT_IDS", "INT64", (-1,), optional=True, doc="prompt token ids; or send TEXT"),
+        TensorSpec("TEXT", "STRING", optional=True, doc="UTF-8 text; prepared here when PROMPT_IDS is absent"),
+        *model_inputs,
+        *_SAMPLING_SPECS,
+        _FORMAT_SPEC,
+    )
+
+
+TEXT_INPUTS = client_inputs()  # Orpheus' (kept for perf/naive_triton.py)
+ENGINE_INPUTS = engine_inputs()
 
 # Preprocess -> engine: prompt ids plus every sampling field, validated and filled with the model's defaults.
 PREPROCESS_OUTPUTS = (
-    TensorSpec("PROMPT_IDS", "INT64", (-1,), doc="prompt token ids"),
+    TensorSpec("PROMPT_IDS", "INT64", (-1,),
+               doc="prompt token ids; multi-column models (CSM): rows of token_columns ids, flattened"),
     *(TensorSpec(s.name, s.dtype, doc=s.doc) for s in _SAMPLING_SPECS),
     TensorSpec("AUDIO_FORMAT", "STRING", doc="passed through the engine to the postprocess"),
-)
-
-# Engine inputs: prompt ids (from the preprocess) or TEXT/VOICE (direct clients), sampling fields optional.
-ENGINE_INPUTS = (
-    TensorSpec("PROMPT_IDS", "INT64", (-1,), optional=True, doc="prompt token ids; or send TEXT"),
-    TensorSpec("TEXT", "STRING", optional=True, doc="UTF-8 text; tokenized here when PROMPT_IDS is absent"),
-    TensorSpec("VOICE", "STRING", optional=True, doc="voice for TEXT"),
-    *_SAMPLING_SPECS,
-    _FORMAT_SPEC,
 )
 
 # Per-chunk metadata, on every response of the engine and the ensemble.
