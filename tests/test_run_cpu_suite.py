@@ -17,8 +17,10 @@ def test_overlap_clips_intervals_to_the_window():
     assert suite.overlap(spans, 6.0, 9.0) == 0.0
 
 
-def test_ablation_rate_is_the_highest_rate_meeting_the_ttfa_target():
-    res = {0.1: {"ttfa_p90_s": 0.3}, 0.4: {"ttfa_p90_s": 0.9}, 0.8: {"ttfa_p90_s": 1.4}, 1.6: {"ttfa_p90_s": None}}
+def test_ablation_rate_is_the_highest_rate_meeting_ttfa_with_chunks_mostly_on_time():
+    res = {0.1: {"ttfa_p90_s": 0.3, "on_time_chunk_pct": 95.0}, 0.4: {"ttfa_p90_s": 0.9, "on_time_chunk_pct": 90.0},
+           0.6: {"ttfa_p90_s": 0.9, "on_time_chunk_pct": 30.0},  # past the throughput knee: streams fall behind
+           0.8: {"ttfa_p90_s": 1.4, "on_time_chunk_pct": 99.0}, 1.6: {"ttfa_p90_s": None}}
     assert suite.choose_ablation_rate(res, 1.0) == 0.4
     assert suite.choose_ablation_rate(res, 0.1) == 0.1  # none meets it: the lowest rate
 
