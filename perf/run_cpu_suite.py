@@ -347,6 +347,12 @@ def engine_server(model_dir: Path, codec_dir: Path, policy: str, work: Path):
     work.mkdir(parents=True, exist_ok=True)
     repo = configs.write_repository(work / "model_repository", {
         "checkpoint": str(model_dir), "codec": str(codec_dir), "policy": policy, "device": "cpu"})
+    # only Orpheus: the overrides above apply to every served model, and other models (CSM, ...) would
+    # otherwise be pointed at the Orpheus checkpoint, or load their own and take CPU from the benchmark
+    keep = {"orpheus", "orpheus_engine", "orpheus_preprocess", configs.POSTPROCESS}
+    for folder in Path(repo).iterdir():
+        if folder.is_dir() and folder.name not in keep:
+            shutil.rmtree(folder)
     return TritonServer(repo, work_dir=work).start(timeout=600)
 
 
