@@ -10,10 +10,12 @@ Follows transformers' CsmForConditionalGeneration (checkpoint layout of `sesame/
     codebook k - 1 (the same table, shared with the backbone); both go through a projection to the depth width;
     the hidden state at position k >= 1 goes through codebook k's own head to give codebook k;
   * stop: a frame whose codebooks 0..30 are all the eos id (0); an all-eos frame is not audio.
-Context audio enters as Mimi codes [frames, 32] (no Mimi encoder here yet).
+Context audio enters as Mimi codes [frames, 32] or as a waveform, which `prepare` (preprocessing, the caller's thread)
+encodes with the Mimi encoder, loaded on first use from the same codec weights.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from voxbackend.audio_io import read_audio
 from voxbackend.codecs.mimi import MimiDecoder
+from voxbackend.codecs.mimi_encoder import MimiEncoder
 from voxbackend.errors import InvalidRequest
 from voxbackend.models.base import ModelSpec, SpeechModel, WindowJob, WindowSpec
 from voxbackend.models.checkpoint import load_safetensors, read_config
@@ -42,11 +46,15 @@ def is_csm_config(hf_config: dict) -> bool:
 
 @dataclass
 class ContextSegment:
-    """An earlier utterance that conditions the voice: its text, speaker and audio as Mimi codes [frames, 32]."""
+    """An earlier utterance that conditions the voice: its text, speaker and audio, given either as Mimi codes
+    [frames, 32] or as a waveform: float32 mono samples at `sample_rate` (default the codec's 24 kHz), or audio
+    file bytes (WAV, FLAC; the file's own rate). Other rates are resampled."""
 
     text: str
     speaker: int
-    codes: np.ndarray
+    codes: np.ndarray | None = None
+    audio: np.ndarray | bytes | None = None
+    sample_rate: int | None = None
 
 
 class _DepthCache:
@@ -112,10 +120,11 @@ class Csm(SpeechModel):
 
         self.tokenizer = self._load_tokenizer(Path(model_dir))
         self.bos, self.eos = self.tokenizer.token_to_id(BOS), self.tokenizer.token_to_id(EOS)
-        if codec_dir is not None:
-            self.codec = MimiDecoder.from_pretrained(codec_dir, device=device)
-        else:
-            self.codec = MimiDecoder.from_pretrained(model_dir, device=device, prefix="codec_model.")
+        codec_path, codec_prefix = (codec_dir, "") if codec_dir is not None else (model_dir, "codec_model.")
+        self.codec = MimiDecoder.from_pretrained(codec_path, device=device, prefix=codec_prefix)
+        self._encoder_source = (codec_path, codec_prefix)
+        self._encoder: MimiEncoder | None = None  # loaded by the first request with context audio
+        self._encoder_lock = threading.Lock()
         if self.codec.num_codebooks < K:
             raise ValueError(f"the Mimi codec has {self.codec.num_codebooks} codebooks; CSM needs {K}")
         self.spec = ModelSpec(
@@ -181,22 +190,53 @@ class Csm(SpeechModel):
 
     def _segment(self, seg, field: str) -> ContextSegment:
         if isinstance(seg, dict):
+            unknown = set(seg) - {"text", "speaker", "codes", "audio", "sample_rate"}
+            if unknown:
+                raise InvalidRequest(f"{field} has unknown keys {sorted(unknown)}")
             try:
-                seg = ContextSegment(seg["text"], seg["speaker"], seg["codes"])
+                seg = ContextSegment(seg["text"], seg["speaker"], seg.get("codes"), seg.get("audio"),
+                                     seg.get("sample_rate"))
             except KeyError as exc:
-                raise InvalidRequest(f"{field} needs text, speaker and codes; missing {exc}") from None
+                raise InvalidRequest(f"{field} needs text, speaker and codes or audio; missing {exc}") from None
         if not isinstance(seg, ContextSegment):
             raise InvalidRequest(f"{field} must be a ContextSegment or a dict, got {type(seg).__name__}")
+        if (seg.codes is None) == (seg.audio is None):
+            raise InvalidRequest(f"{field} needs exactly one of codes (Mimi codes) and audio (a waveform)")
+        speaker = self._speaker(seg.speaker, f"{field}.speaker")
+        if seg.audio is not None:
+            return ContextSegment(seg.text, speaker, self._encode_context(seg, f"{field}.audio"))
         codes = np.asarray(seg.codes.cpu() if isinstance(seg.codes, torch.Tensor) else seg.codes)
         if codes.dtype.kind == "f":
-            raise InvalidRequest(f"{field}.codes: raw audio needs the Mimi encoder, which is not built yet; "
-                                 f"pass Mimi codes [frames, {self.num_codebooks}]")
+            raise InvalidRequest(f"{field}.codes: raw audio goes in the segment's audio (with its sample_rate); "
+                                 f"codes are Mimi codes [frames, {self.num_codebooks}]")
         if codes.dtype.kind not in "iu" or codes.ndim != 2 or codes.shape[1] != self.num_codebooks or not len(codes):
             raise InvalidRequest(f"{field}.codes must be integer Mimi codes [frames, {self.num_codebooks}], "
                                  f"got {codes.dtype} {list(codes.shape)}")
         if codes.min() < 0 or codes.max() >= self.codec.codebook_size:
             raise InvalidRequest(f"{field}.codes must be in [0, {self.codec.codebook_size})")
-        return ContextSegment(seg.text, self._speaker(seg.speaker, f"{field}.speaker"), codes.astype(np.int64))
+        return ContextSegment(seg.text, speaker, codes.astype(np.int64))
+
+    def _encode_context(self, seg: ContextSegment, field: str) -> np.ndarray:
+        is_file = isinstance(seg.audio, (bytes, bytearray, memoryview)) or (
+            isinstance(seg.audio, np.ndarray) and seg.audio.dtype.kind in "OSV")
+        rate = seg.sample_rate if seg.sample_rate is not None or is_file else self.codec.sample_rate
+        # longer audio could never fit the prompt; refuse before spending the encoder on it
+        max_s = self.spec.geometry.max_context / self.codec.frame_rate
+        audio = read_audio(seg.audio, rate, self.codec.sample_rate, max_seconds=max_s, field=field)
+        return self.encode_audio(audio)
+
+    @property
+    def encoder(self) -> MimiEncoder:
+        with self._encoder_lock:  # preprocessing may run on several threads
+            if self._encoder is None:
+                path, prefix = self._encoder_source
+                self._encoder = MimiEncoder.from_pretrained(path, device=self.device, prefix=prefix)
+        return self._encoder
+
+    def encode_audio(self, audio: np.ndarray) -> np.ndarray:
+        """float32 mono at the codec's rate -> Mimi codes [frames, num_codebooks] (int64)."""
+        x = torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32))[None, None]
+        return self.encoder.encode(x, self.num_codebooks)[0].T.cpu().numpy()
 
     def default_sampling(self) -> SamplingParams:
         return SamplingParams(temperature=0.9, top_k=50, max_tokens=MAX_FRAMES)
