@@ -167,3 +167,14 @@ def test_repeated_failures_mark_the_engine_dead_and_fail_everything(llama_dir):
     assert engine.pool.used_pages == 0
     with pytest.raises(Exception, match="engine stopped"):
         engine.submit([5], SamplingParams(max_tokens=5), rec)
+
+
+def test_first_chunk_is_held_until_long_enough(llama_dir):
+    for hold_s, first_len in ((0.0, 20), (0.55, 60)):  # the fake codec makes 0.2 s per 2-frame window
+        engine = _engine(llama_dir, kv_pages=40, first_chunk_s=hold_s)
+        rec = Recorder()
+        rid = engine.submit([5, 6], SamplingParams(temperature=0, max_tokens=12), rec)
+        while rec.final(rid) is None:
+            engine.step()
+        chunks = [e.audio for e in rec.events[rid] if e.kind is EventKind.AUDIO]
+        assert len(chunks[0]) == first_len and sum(map(len, chunks)) == 120

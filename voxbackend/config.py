@@ -22,6 +22,7 @@ class EngineConfig:
     max_queue: int = 256  # waiting requests beyond this are refused as overloaded
     detok_batch: int = 16  # codec windows per detokenizer call
     playback_margin_s: float = 1.0  # online policy: extra buffer beyond the last chunk before a stream is "pressing"
+    first_chunk_s: float = 0.0  # hold a stream's first audio until it is this long (0: send the first window at once)
     attention: str = "auto"  # auto | torch | flashinfer
 
     def __post_init__(self) -> None:

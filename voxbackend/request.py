@@ -32,6 +32,7 @@ class Request:
     codes: list[int] = field(default_factory=list)
     windows_done: int = 0
     codec_state: Any = None
+    held_audio: list[Any] = field(default_factory=list)  # decoded audio held back until the first chunk is long enough
     # playback clock (engine time): the listener starts playing when the first chunk is sent
     chunks_sent: int = 0
     first_chunk_at: float | None = None

@@ -352,9 +352,18 @@ class Engine:
 
     @torch.inference_mode()
     def _run_detok(self, plan: list[tuple[Request, int]]) -> None:
+        hold = self.config.first_chunk_s * self.model.spec.sample_rate
         for r, audio in self.detokenizer.run(plan):
+            done = self.detokenizer.finished(r)
+            if r.first_chunk_at is None:
+                # The first chunk waits until it covers first_chunk_s (or the stream ends): a listener that
+                # starts on a thin buffer stalls at the next scheduling hiccup.
+                r.held_audio.append(audio)
+                if sum(len(a) for a in r.held_audio) < hold and not done:
+                    continue
+                audio, r.held_audio = np.concatenate(r.held_audio), []
             self._send_audio(r, audio)
-            if self.detokenizer.finished(r):
+            if done:
                 self._finish(r, reason=r.finish_reason)
 
     def _send_audio(self, r: Request, audio: np.ndarray) -> None:
