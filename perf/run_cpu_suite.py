@@ -89,6 +89,7 @@ class Settings:
     overhead_streams: int = 32
     overhead_rounds: float = 2.5  # requests submitted = rounds * streams; the window ends at the last submit
     request_timeout: float = 180.0
+    first_chunk_s: float = 0.0  # engine option: hold each stream's first audio until it is this long
     quick: bool = False
 
     @classmethod
@@ -339,14 +340,15 @@ def run_overhead(model_dir: Path, codec_dir: Path, st: Settings, prompts: list[s
 
 
 # ----------------------------------------------------------------------------- servers
-def engine_server(model_dir: Path, codec_dir: Path, policy: str, work: Path):
+def engine_server(model_dir: Path, codec_dir: Path, policy: str, work: Path, first_chunk_s: float = 0.0):
     """tritonserver on a rendered copy of model_repository (what `voxbackend serve --set policy=...` does)."""
     from voxbackend.triton import configs
     from voxbackend.triton.server import TritonServer
 
     work.mkdir(parents=True, exist_ok=True)
     repo = configs.write_repository(work / "model_repository", {
-        "checkpoint": str(model_dir), "codec": str(codec_dir), "policy": policy, "device": "cpu"})
+        "checkpoint": str(model_dir), "codec": str(codec_dir), "policy": policy, "device": "cpu",
+        "first_chunk_s": str(first_chunk_s)})
     # only Orpheus: the overrides above apply to every served model, and other models (CSM, ...) would
     # otherwise be pointed at the Orpheus checkpoint, or load their own and take CPU from the benchmark
     keep = {"orpheus", "orpheus_engine", "orpheus_preprocess", configs.POSTPROCESS}
@@ -429,7 +431,8 @@ class Suite:
             f"max tokens, all streams submitted at once:\n\n" + "\n".join(lines))
 
     def s_servers(self) -> None:
-        self.engine_srv = engine_server(self.model_dir, self.codec_dir, "online", self.work / "online")
+        self.engine_srv = engine_server(self.model_dir, self.codec_dir, "online", self.work / "online",
+                                      self.st.first_chunk_s)
         self.log(f"  engine (online) on {self.engine_srv.grpc_url}")
 
     def s_pa(self) -> None:
@@ -482,6 +485,7 @@ class Suite:
         xrt_ratio = f"{xrt['engine'] / xrt['naive']:.2f}x" if xrt.get("naive") else "-"
         parts = ["## Goodput: engine (`orpheus` ensemble) vs naive baseline (`orpheus_naive`)", "",
                  f"Poisson arrivals (open loop, clients/loadgen), {st.duration:g} s of arrivals per rate, seed {st.seed}, "
+                 f"served engines with first_chunk_s = {st.first_chunk_s:g} s, "
                  f"request i reads a prompt of perf/data/prompts.txt (seeded choice) with SEED {st.seed} + i, "
                  f"max_tokens {st.max_tokens}, official sampling defaults (temperature 0.6, top_p 0.8, "
                  "repetition_penalty 1.3). A sweep stops after two consecutive rates miss the TTFA target.", "",
@@ -505,7 +509,7 @@ class Suite:
         rows: dict[str, dict] = {}
         for policy in ("online", "fcfs", "offline"):
             srv = self.engine_srv if policy == "online" else engine_server(
-                self.model_dir, self.codec_dir, policy, self.work / policy)
+                self.model_dir, self.codec_dir, policy, self.work / policy, st.first_chunk_s)
             try:
                 tls = run_load(srv.grpc_url, "orpheus", self.prompts, rate, st.ablation_duration, seed=st.seed + 1,
                                opts=opts, request_timeout=st.request_timeout)
@@ -608,10 +612,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ablation-rate", type=float, default=None, help="default: chosen from the goodput sweep")
     ap.add_argument("--overhead-sizes", default=None, help="comma-separated, default tiny,bench")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--first-chunk-s", type=float, default=None, help="engine first_chunk_s for the served engines")
     ap.add_argument("--out-dir", default=str(HERE / "results"))
     a = ap.parse_args(argv)
     st = Settings.quick_settings() if a.quick else Settings()
-    for name in ("size", "duration", "ttfa_p90", "stall_free", "ablation_rate", "seed"):
+    for name in ("size", "duration", "ttfa_p90", "stall_free", "ablation_rate", "seed", "first_chunk_s"):
         if getattr(a, name) is not None:
             setattr(st, name, getattr(a, name))
     if a.rates:
