@@ -31,7 +31,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 import provenance  # noqa: E402  (perf/provenance.py)
 

@@ -42,7 +42,7 @@ import goodput as gp  # noqa: E402  (perf/goodput.py)
 import naive_triton  # noqa: E402  (perf/naive_triton.py)
 import provenance  # noqa: E402  (perf/provenance.py)
 from clients.loadgen import RequestOptions, load_prompts, run_load  # noqa: E402
-from clients.stream_metrics import (StreamTimeline, goodput, goodput_label, markdown_table,  # noqa: E402
+from clients.stream_metrics import (StreamTimeline, goodput_label, markdown_table,  # noqa: E402
                                     summarize)
 
 SAMPLE_RATE = 24000
@@ -348,7 +348,7 @@ def engine_server(model_dir: Path, codec_dir: Path, policy: str, work: Path, fir
     work.mkdir(parents=True, exist_ok=True)
     repo = configs.write_repository(work / "model_repository", {
         "checkpoint": str(model_dir), "codec": str(codec_dir), "policy": policy, "device": "cpu",
-        "first_chunk_s": str(first_chunk_s)})
+        "first_chunk_s": str(first_chunk_s)}, models=["orpheus"])
     # only Orpheus: the overrides above apply to every served model, and other models (CSM, ...) would
     # otherwise be pointed at the Orpheus checkpoint, or load their own and take CPU from the benchmark
     keep = {"orpheus", "orpheus_engine", "orpheus_preprocess", configs.POSTPROCESS}

@@ -2,7 +2,6 @@
 import random
 
 import pytest
-import torch
 
 from voxbackend.config import EngineConfig
 from voxbackend.engine.engine import Engine

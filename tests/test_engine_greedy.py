@@ -1,5 +1,4 @@
 """Greedy tokens from continuous batching equal transformers' generate on each prompt alone."""
-import threading
 
 import pytest
 import torch

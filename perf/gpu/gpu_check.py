@@ -22,7 +22,7 @@ from voxbackend.attention.base import SeqSlice
 from voxbackend.attention.torch_backend import TorchPagedAttention
 from voxbackend.engine.engine import Engine
 from voxbackend.models.base import LMGeometry
-from voxbackend.models.llama import LlamaConfig, LlamaModel, rope_inv_freq
+from voxbackend.models.llama import LlamaModel, rope_inv_freq
 from voxbackend.models.orpheus import AUDIO_BASE, END_OF_SPEECH
 from voxbackend.sampling_params import SamplingParams
 from voxbackend.tools.tiny_checkpoint import write_tiny_orpheus, write_tiny_snac

@@ -23,7 +23,6 @@ them back after the step.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -32,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from voxbackend.codecs.mimi_weights import codebook_tables, read_codec_config, read_codec_tensors
 
 
 @dataclass
@@ -279,31 +280,17 @@ class MimiDecoder(nn.Module):
                         prefix: str = "", window_mode: str = "exact") -> "MimiDecoder":
         """A Mimi folder (config.json + safetensors). `prefix` selects a codec inside a bigger checkpoint (e.g.
         "codec_model." in a CSM folder, whose config.json then holds the Mimi config under "codec_config")."""
-        from safetensors.torch import load_file
-
         path = Path(path)
-        cfg = json.loads((path / "config.json").read_text())
-        cfg = cfg.get("codec_config") or cfg
-        model = cls(cfg, window_mode)
-        weights: dict[str, torch.Tensor] = {}
-        for f in sorted(path.glob("*.safetensors")):
-            weights.update({k[len(prefix):]: v for k, v in load_file(f).items() if k.startswith(prefix)})
-        model.load_hf_weights(weights)
+        model = cls(read_codec_config(path), window_mode)
+        model.load_hf_weights(read_codec_tensors(path, prefix))
         return model.to(device=device, dtype=dtype).eval()
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         w = {_flat_name(k): v for k, v in weights.items()}
-        own: dict[str, torch.Tensor] = {}
-        books = []
-        for part, n, proj in (("semantic", self.num_semantic, "semantic_proj"),
-                              ("acoustic", self.num_codebooks - self.num_semantic, "acoustic_proj")):
-            q = f"quantizer.{part}_residual_vector_quantizer."
-            for i in range(n):
-                cb = q + f"layers.{i}.codebook."
-                books.append(w[cb + "embed_sum"].float() / w[cb + "cluster_usage"].float().clamp(min=1e-5)[:, None])
-            if isinstance(getattr(self, proj), nn.Linear):
-                own[proj + ".weight"] = w[q + "output_proj.weight"][..., 0]
-        own["codebooks"] = torch.cat(books)
+        own: dict[str, torch.Tensor] = {"codebooks": torch.cat(codebook_tables(w, self.num_semantic, self.num_codebooks))}
+        for part in ("semantic", "acoustic"):
+            if isinstance(getattr(self, f"{part}_proj"), nn.Linear):
+                own[f"{part}_proj.weight"] = w[f"quantizer.{part}_residual_vector_quantizer.output_proj.weight"][..., 0]
         keep = ("upsample.", "decoder_transformer.", "decoder.")
         own.update({k: v for k, v in w.items() if k.startswith(keep)})
         self.load_state_dict(own, strict=True)

@@ -14,7 +14,6 @@ stride-s conv maps L steps to ceil(L / s). SEANet convs pad with zeros, the down
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from voxbackend.codecs.mimi import MLP, LayerScale, _rotate
+from voxbackend.codecs.mimi_weights import codebook_tables, read_codec_config, read_codec_tensors
 
 
 class Conv(nn.Module):
@@ -167,17 +167,9 @@ class MimiEncoder(nn.Module):
                         prefix: str = "") -> "MimiEncoder":
         """A Mimi folder (config.json + safetensors); `prefix` selects the codec inside a bigger checkpoint
         ("codec_model." in a CSM folder, whose config.json holds the Mimi config under "codec_config")."""
-        from safetensors import safe_open
-
         path = Path(path)
-        cfg = json.loads((path / "config.json").read_text())
-        cfg = cfg.get("codec_config") or cfg
-        model = cls(cfg)
-        weights: dict[str, torch.Tensor] = {}
-        for f in sorted(path.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as st:  # read only the codec's tensors
-                weights.update({k[len(prefix):]: st.get_tensor(k) for k in st.keys() if k.startswith(prefix)})
-        model.load_hf_weights(weights)
+        model = cls(read_codec_config(path))
+        model.load_hf_weights(read_codec_tensors(path, prefix))
         books = model.codebooks.clone()
         model = model.to(device=device, dtype=dtype).eval()
         model.codebooks.data = books.to(device)  # nearest-centroid search stays in float32
@@ -185,17 +177,10 @@ class MimiEncoder(nn.Module):
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         w = {_flat_name(k): v for k, v in weights.items()}
-        own: dict[str, torch.Tensor] = {}
-        books = []
-        for part, n, proj in (("semantic", self.num_semantic, "semantic_proj"),
-                              ("acoustic", self.num_codebooks - self.num_semantic, "acoustic_proj")):
-            q = f"quantizer.{part}_residual_vector_quantizer."
-            for i in range(n):
-                cb = q + f"layers.{i}.codebook."
-                books.append(w[cb + "embed_sum"].float() / w[cb + "cluster_usage"].float().clamp(min=1e-5)[:, None])
-            if getattr(self, proj) is not None:
-                own[proj] = w[q + "input_proj.weight"]
-        own["codebooks"] = torch.stack(books)
+        own: dict[str, torch.Tensor] = {"codebooks": torch.stack(codebook_tables(w, self.num_semantic, self.num_codebooks))}
+        for part in ("semantic", "acoustic"):
+            if getattr(self, f"{part}_proj") is not None:
+                own[f"{part}_proj"] = w[f"quantizer.{part}_residual_vector_quantizer.input_proj.weight"]
         own.update({k: v for k, v in w.items() if k.startswith(("encoder.", "encoder_transformer.", "downsample."))})
         self.load_state_dict(own, strict=True)
 

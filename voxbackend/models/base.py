@@ -7,7 +7,7 @@ Step-Audio-2) plugs in without touching them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np

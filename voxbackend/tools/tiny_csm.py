@@ -10,7 +10,6 @@ meets a near-tie that float rounding could flip between two implementations.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
