@@ -65,12 +65,17 @@ class RequestOptions:
     max_tokens: int | None = None
     sampling_seed: int | None = None  # request i gets sampling_seed + i
     audio_format: str | None = None   # "pcm16" (server default) or "fp32"
+    speaker: int | None = None  # csm
+    context: dict[str, list] = field(default_factory=dict)  # csm: CONTEXT_* lists (tts_stream.context_fields)
 
 
 def request_fields(text: str, opts: RequestOptions, index: int) -> dict[str, object]:
     fields: dict[str, object] = {"TEXT": text}
     if opts.voice:
         fields["VOICE"] = opts.voice
+    if opts.speaker is not None:
+        fields["SPEAKER"] = opts.speaker
+    fields.update(opts.context)
     fields.update({k.upper(): v for k, v in opts.sampling.items() if v is not None})
     if opts.max_tokens is not None:
         fields["MAX_TOKENS"] = opts.max_tokens
@@ -91,11 +96,14 @@ def build_inputs(fields: dict[str, object], meta_inputs: dict[str, dict]):
         if name not in meta_inputs:
             raise ValueError(f"model has no input {name!r}; it declares {sorted(meta_inputs)}")
         dtype = meta_inputs[name]["datatype"]
-        shape = [1] * max(1, len(meta_inputs[name].get("shape", [1])))
+        values = list(value) if isinstance(value, (list, tuple)) else [value]  # lists: one element per segment
+        shape = ([len(values)] if isinstance(value, (list, tuple))
+                 else [1] * max(1, len(meta_inputs[name].get("shape", [1]))))
         if dtype == "BYTES":
-            arr = np.array([str(value).encode("utf-8")], dtype=np.object_).reshape(shape)
+            arr = np.array([v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values],
+                           dtype=np.object_).reshape(shape)
         else:
-            arr = np.array([value], dtype=triton_to_np_dtype(dtype)).reshape(shape)
+            arr = np.array(values, dtype=triton_to_np_dtype(dtype)).reshape(shape)
         inp = grpcclient.InferInput(name, shape, dtype)
         inp.set_data_from_numpy(arr)
         inputs.append(inp)
@@ -345,7 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-requests", type=int, default=None, help="cap per rate")
     ap.add_argument("--request-timeout", type=float, default=120.0, help="s after the last send")
     ap.add_argument("--pool-size", type=int, default=None, help="streams opened before the clock starts")
-    ap.add_argument("--voice", default=None)
+    ap.add_argument("--voice", default=None, help="orpheus")
+    ap.add_argument("--speaker", type=int, default=None, help="csm: speaker id (0-9)")
+    ap.add_argument("--context-text", action="append", default=[], help="csm: context segment text (repeat)")
+    ap.add_argument("--context-audio", action="append", default=[], help="csm: context segment audio file (repeat)")
+    ap.add_argument("--context-speaker", action="append", type=int, default=[],
+                    help="csm: context segment speaker (repeat; default --speaker or 0)")
     ap.add_argument("--temperature", type=float, default=None)
     ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--top-k", type=int, default=None)
@@ -357,8 +370,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="loadgen.json", help="JSON output; a .md table is written next to it")
     a = ap.parse_args(argv)
 
+    from clients.tts_stream import context_fields
+
+    try:
+        context = context_fields(a.context_text, a.context_audio, a.context_speaker, a.speaker or 0)
+    except (ValueError, OSError) as e:
+        ap.error(str(e))
     opts = RequestOptions(
-        voice=a.voice, max_tokens=a.max_tokens, sampling_seed=a.sampling_seed, audio_format=a.audio_format,
+        voice=a.voice, speaker=a.speaker, context=context, max_tokens=a.max_tokens, sampling_seed=a.sampling_seed, audio_format=a.audio_format,
         sampling={"TEMPERATURE": a.temperature, "TOP_P": a.top_p, "TOP_K": a.top_k, "MIN_P": a.min_p,
                   "REPETITION_PENALTY": a.repetition_penalty})
     prompts = load_prompts(a.prompts)

@@ -1,6 +1,8 @@
 """Stream one text to speech through Triton (tritonclient gRPC streaming) and write a WAV file.
 
     python -m clients.tts_stream --url localhost:8001 --model orpheus --text "Hello there." --out hello.wav
+    python -m clients.tts_stream --model csm --speaker 1 --text "Nice to meet you." \
+        --context-text "Hi, I'm calling about the flat." --context-audio turn1.wav --out reply.wav
 
 Prints time to first audio (TTFA), chunks, stalls and on-time chunks (DESIGN section 4), audio seconds and
 "x real time" (audio seconds / wall seconds, higher is better). Works with the `orpheus` ensemble (AUDIO is
@@ -22,9 +24,29 @@ SAMPLING_DTYPES = {"TEMPERATURE": np.float32, "TOP_P": np.float32, "TOP_K": np.i
 _NP_TO_TRITON = {np.float32: "FP32", np.int32: "INT32", np.int64: "INT64"}
 
 
-def make_inputs(text: str | bytes | None, voice: str | None = None, audio_format: str | None = None,
-                **sampling) -> list:
-    """Request tensors by name; sampling keys are the tensor names (TEMPERATURE=0.6, SEED=7, ...)."""
+def context_fields(texts: list[str], audio: list[bytes | np.ndarray | str | Path], speakers: list[int] | None = None,
+                   default_speaker: int = 0) -> dict[str, list]:
+    """CSM context segments -> CONTEXT_TEXT / CONTEXT_SPEAKER / CONTEXT_AUDIO lists. Audio files (paths or bytes)
+    are sent as they are: the server decodes and resamples them; float32 arrays go as raw samples (send
+    CONTEXT_SAMPLE_RATE too). Speakers default to `default_speaker` for every segment."""
+    if len(texts) != len(audio):
+        raise ValueError(f"{len(texts)} context text(s) but {len(audio)} context audio file(s): give one of each "
+                         "per segment")
+    speakers = list(speakers) if speakers else [default_speaker] * len(texts)
+    if len(speakers) != len(texts):
+        raise ValueError(f"{len(speakers)} context speaker(s) for {len(texts)} segment(s)")
+    files = [a if isinstance(a, (bytes, np.ndarray)) else Path(a).read_bytes() for a in audio]
+    return {"CONTEXT_TEXT": list(texts), "CONTEXT_SPEAKER": speakers, "CONTEXT_AUDIO": files} if texts else {}
+
+
+def make_inputs(text: str | bytes | None, voice: str | None = None, audio_format: str | None = None, *,
+                speaker: int | None = None, context: dict[str, list] | None = None,
+                context_sample_rate: int | None = None, **sampling) -> list:
+    """Request tensors by name; sampling keys are the tensor names (TEMPERATURE=0.6, SEED=7, ...).
+
+    CSM: `speaker`, and `context` as made by context_fields; CONTEXT_AUDIO items are file bytes, or float32
+    arrays sent as raw samples at `context_sample_rate`.
+    """
     import tritonclient.grpc as grpcclient
 
     def tensor(name: str, value: np.ndarray, dtype: str):
@@ -38,6 +60,17 @@ def make_inputs(text: str | bytes | None, voice: str | None = None, audio_format
     inputs = [text_tensor("TEXT", text)] if text is not None else []
     if voice:
         inputs.append(text_tensor("VOICE", voice))
+    if speaker is not None:
+        inputs.append(tensor("SPEAKER", np.array([speaker], dtype=np.int32), "INT32"))
+    for name, items in (context or {}).items():
+        if name == "CONTEXT_SPEAKER":
+            inputs.append(tensor(name, np.array(items, dtype=np.int32).reshape(-1), "INT32"))
+        else:
+            raw = [np.asarray(x, "<f4").tobytes() if isinstance(x, np.ndarray) else
+                   x.encode() if isinstance(x, str) else x for x in items]
+            inputs.append(tensor(name, np.array(raw, dtype=np.object_).reshape(-1), "BYTES"))
+    if context_sample_rate is not None:
+        inputs.append(tensor("CONTEXT_SAMPLE_RATE", np.array([context_sample_rate], dtype=np.int32), "INT32"))
     if audio_format:
         inputs.append(text_tensor("AUDIO_FORMAT", audio_format))
     for name, value in sampling.items():
@@ -206,9 +239,15 @@ def report(out: StreamOutcome) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address")
-    ap.add_argument("--model", default="orpheus", help="orpheus (ensemble) or orpheus_engine")
+    ap.add_argument("--model", default="orpheus", help="orpheus or csm (ensembles), or orpheus_engine / csm_engine")
     ap.add_argument("--text", default="Hello there, this is a streaming speech server.")
-    ap.add_argument("--voice", default=None)
+    ap.add_argument("--voice", default=None, help="orpheus: one of its voices")
+    ap.add_argument("--speaker", type=int, default=None, help="csm: speaker id of TEXT (0-9)")
+    ap.add_argument("--context-text", action="append", default=[], help="csm: a context segment's text (repeat)")
+    ap.add_argument("--context-audio", action="append", default=[],
+                    help="csm: a context segment's audio file, WAV/FLAC/OGG at any rate (repeat, one per text)")
+    ap.add_argument("--context-speaker", action="append", type=int, default=[],
+                    help="csm: a context segment's speaker (repeat; default: --speaker or 0 for each)")
     ap.add_argument("--format", default="pcm16", choices=("pcm16", "fp32"), help="AUDIO_FORMAT (ensemble)")
     ap.add_argument("--temperature", type=float)
     ap.add_argument("--top-p", type=float)
@@ -220,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--out", default="out.wav", help="WAV file to write")
     a = ap.parse_args(argv)
-    inputs = make_inputs(a.text, a.voice, a.format, TEMPERATURE=a.temperature, TOP_P=a.top_p, TOP_K=a.top_k,
+    try:
+        context = context_fields(a.context_text, a.context_audio, a.context_speaker, a.speaker or 0)
+    except (ValueError, OSError) as e:
+        ap.error(str(e))
+    inputs = make_inputs(a.text, a.voice, a.format, speaker=a.speaker, context=context, TEMPERATURE=a.temperature, TOP_P=a.top_p, TOP_K=a.top_k,
                          MIN_P=a.min_p, REPETITION_PENALTY=a.repetition_penalty, MAX_TOKENS=a.max_tokens,
                          SEED=a.seed)
     out = stream_request(a.url, a.model, inputs, a.format, a.timeout)

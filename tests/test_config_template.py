@@ -26,7 +26,8 @@ def test_every_model_folder_has_a_config_and_model_file():
 
 
 def test_overrides_render_into_engine_parameters_only(tmp_path: Path):
-    repo = configs.write_repository(tmp_path / "repo", {"checkpoint": "/ckpt/orpheus", "kv_pages": 4096})
+    repo = configs.write_repository(tmp_path / "repo", {"checkpoint": "/ckpt/orpheus", "kv_pages": 4096},
+                                    models=["orpheus"])
     engine = (repo / "orpheus_engine" / "config.pbtxt").read_text()
     assert 'key: "checkpoint" value: { string_value: "/ckpt/orpheus" }' in engine
     assert 'key: "kv_pages" value: { string_value: "4096" }' in engine
@@ -39,6 +40,21 @@ def test_overrides_render_into_engine_parameters_only(tmp_path: Path):
 def test_unknown_override_is_rejected():
     with pytest.raises(ValueError, match="unknown engine parameter"):
         configs.render_all({"kv_pagez": "1"})
+    with pytest.raises(ValueError, match="names no served model"):
+        configs.render_all({"nomodel.kv_pages": "1"})
+
+
+def test_a_checkpoint_override_belongs_to_one_model(tmp_path: Path):
+    with pytest.raises(ValueError, match="checkpoint is one model's"):
+        configs.render_all({"checkpoint": "/ckpt/orpheus"})
+    rendered = configs.render_all({"orpheus.checkpoint": "/ckpt/orpheus", "kv_pages": "64"})
+    assert 'string_value: "/ckpt/orpheus"' in rendered["orpheus_engine"]
+    assert 'string_value: "/ckpt/orpheus"' not in rendered["csm_engine"]
+    assert all('key: "kv_pages" value: { string_value: "64" }' in rendered[f"{m.name}_engine"]
+               for m in configs.SERVED_MODELS)
+    repo = configs.write_repository(tmp_path / "repo", {"checkpoint": "/ckpt/csm"}, models=["csm"])
+    assert sorted(p.name for p in repo.iterdir()) == sorted(["csm", "csm_engine", "csm_preprocess",
+                                                             configs.POSTPROCESS])
 
 
 def _step_maps(ensemble: str) -> list[tuple[str, dict[str, str], dict[str, str]]]:

@@ -39,7 +39,7 @@ FAKE = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    repo = configs.write_repository(tmp_path_factory.mktemp("repo") / "model_repository", FAKE)
+    repo = configs.write_repository(tmp_path_factory.mktemp("repo") / "model_repository", FAKE, models=["orpheus"])
     srv = TritonServer(repo, log_file=tmp_path_factory.mktemp("triton") / "tritonserver.log")
     srv.start(timeout=300)
     yield srv

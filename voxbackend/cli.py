@@ -1,7 +1,8 @@
 """The `voxbackend` command.
 
     voxbackend serve                       # tritonserver on the model repository (tiny default checkpoint)
-    voxbackend serve --checkpoint /ckpt/orpheus-3b --codec /ckpt/snac_24khz --set max_batch=64
+    voxbackend serve --models orpheus --checkpoint /ckpt/orpheus-3b --codec /ckpt/snac_24khz --set max_batch=64
+    voxbackend serve --models csm --checkpoint /ckpt/csm-1b     # Mimi weights inside; or --codec /ckpt/mimi
     voxbackend demo --text "Hello." --out hello.wav   # serve, stream one sentence to a WAV, stop
     voxbackend make-checkpoint [--root DIR]            # build (or find) the tiny default checkpoint
     voxbackend configs [--check]                       # regenerate / verify model_repository/*/config.pbtxt
@@ -42,17 +43,21 @@ def ensure_default_checkpoints(repository: Path) -> None:
 
 
 def repository_for(args: argparse.Namespace) -> Path:
-    """The repository as given, or a rendered copy when engine parameters are overridden."""
+    """The repository as given, or a rendered copy when engine parameters are overridden or models chosen."""
     overrides = dict(kv.split("=", 1) for kv in args.set)
+    models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
     if args.checkpoint:
         overrides["checkpoint"] = str(Path(args.checkpoint).resolve())
     if args.codec:
         overrides["codec"] = str(Path(args.codec).resolve())
-    if not overrides:
+    if not overrides and not models:
         return Path(args.model_repository)
     dest = Path(args.work_dir or tempfile.mkdtemp(prefix="voxbackend-")) / "model_repository"
-    configs.write_repository(dest, overrides, source=Path(args.model_repository))
-    print(f"rendered {dest} with {overrides}", flush=True)
+    try:
+        configs.write_repository(dest, overrides, source=Path(args.model_repository), models=models)
+    except ValueError as e:  # e.g. --checkpoint without saying which model it is
+        raise SystemExit(f"voxbackend: {e} (--models NAME serves only that model)") from None
+    print(f"rendered {dest} ({', '.join(models) if models else 'every model'}) with {overrides}", flush=True)
     return dest
 
 
@@ -107,10 +112,13 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-repository", default=str(default_repository()))
+    p.add_argument("--models", help="comma-separated served models, e.g. orpheus or csm (default: all); "
+                   "--checkpoint and --codec need exactly one")
     p.add_argument("--checkpoint", help="SpeechLM folder (Hugging Face layout); default: the tiny default checkpoint")
     p.add_argument("--codec", help="codec folder (e.g. snac_24khz)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="engine parameter override, e.g. max_batch=64, kv_pages=4096, device=cuda, policy=fcfs")
+                   help="engine parameter override, e.g. max_batch=64, kv_pages=4096, device=cuda, policy=fcfs; "
+                   "csm.max_batch=16 for one model only")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)

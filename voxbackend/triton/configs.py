@@ -62,12 +62,16 @@ class ServedModel:
         return f"{self.name}_preprocess"
 
     def params(self, overrides: dict[str, str] | None = None) -> dict[str, str]:
+        """Parameters with overrides: `key` applies to every model, `<model name>.key` to this one only."""
         merged = {**ENGINE_PARAMS, "default_checkpoint": self.default_checkpoint, "request_inputs": self.inputs,
                   **self.engine_params}
         for key, value in (overrides or {}).items():
-            if key not in merged:
-                raise ValueError(f"unknown engine parameter {key!r}; known: {sorted(merged)}")
-            merged[key] = str(value)
+            model, _, name = key.rpartition(".")
+            if model and model != self.name:
+                continue
+            if name not in merged:
+                raise ValueError(f"unknown engine parameter {name!r}; known: {sorted(merged)}")
+            merged[name] = str(value)
         return merged
 
 
@@ -143,8 +147,30 @@ def render_ensemble(m: ServedModel) -> str:
     )
 
 
-def render_all(overrides: dict[str, str] | None = None) -> dict[str, str]:
-    """Model folder name -> config.pbtxt text, for every served model plus the shared postprocess."""
+def select(models: list[str] | None = None) -> tuple[ServedModel, ...]:
+    """The served models by name (all when None)."""
+    if models is None:
+        return SERVED_MODELS
+    known = {m.name: m for m in SERVED_MODELS}
+    unknown = [name for name in models if name not in known]
+    if unknown:
+        raise ValueError(f"unknown served model(s) {unknown}; known: {sorted(known)}")
+    return tuple(known[name] for name in models)
+
+
+def render_all(overrides: dict[str, str] | None = None, models: list[str] | None = None) -> dict[str, str]:
+    """Model folder name -> config.pbtxt text, for the served models (default all) plus the shared postprocess.
+
+    A checkpoint or codec belongs to one model: with several models, give it as `<model name>.checkpoint`.
+    """
+    served = select(models)
+    for key in overrides or {}:
+        model, _, name = key.rpartition(".")
+        if model and model not in {m.name for m in SERVED_MODELS}:
+            raise ValueError(f"override {key!r} names no served model; known: {[m.name for m in SERVED_MODELS]}")
+        if not model and name in ("checkpoint", "codec") and len(served) > 1:
+            raise ValueError(f"{name} is one model's, and {len(served)} models are rendered "
+                             f"({', '.join(m.name for m in served)}): say <model>.{name}, or render only that model")
     configs = {
         # One instance: the ensemble forwards each step's responses in completion order, so parallel instances
         # reorder a stream's chunks (seen with 2). One instance keeps them in order; it costs microseconds a chunk.
@@ -153,7 +179,7 @@ def render_all(overrides: dict[str, str] | None = None) -> dict[str, str]:
             "One instance keeps each stream's chunks in order.",
             schema.POSTPROCESS_INPUTS, schema.POSTPROCESS_OUTPUTS, instances=1),
     }
-    for m in SERVED_MODELS:
+    for m in served:
         params = m.params(overrides)
         configs[m.preprocess] = _python_model(
             m.preprocess, f"{m.description}: text, {', '.join(s.name for s in m.input_specs)}, sampling -> "
@@ -169,10 +195,11 @@ def render_all(overrides: dict[str, str] | None = None) -> dict[str, str]:
     return configs
 
 
-def write_repository(dest: Path, overrides: dict[str, str] | None = None, source: Path = DEFAULT_REPOSITORY) -> Path:
+def write_repository(dest: Path, overrides: dict[str, str] | None = None, source: Path = DEFAULT_REPOSITORY,
+                     models: list[str] | None = None) -> Path:
     """Write configs into dest; when dest is not the source, copy the source's version folders too."""
     dest = Path(dest)
-    for name, text in render_all(overrides).items():
+    for name, text in render_all(overrides, models).items():
         folder = dest / name
         if dest.resolve() != Path(source).resolve():
             shutil.copytree(Path(source) / name / "1", folder / "1", dirs_exist_ok=True,

@@ -30,6 +30,7 @@ CHUNK_SAMPLES = 2048
 class FakeSpec:
     name: str = "fake"
     sample_rate: int = 24000
+    token_columns: int = 1  # one id per prompt position, as Orpheus
 
 
 class FakeModel:

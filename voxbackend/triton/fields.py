@@ -58,19 +58,18 @@ def text_and_voice(get: Getter) -> tuple[str, str | None]:
 def prepare_request(get: Getter, model, specs: tuple[TensorSpec, ...]) -> list:
     """TEXT and the model's own inputs (schema.MODEL_INPUTS) -> model.prepare(...) -> prompt ids or rows."""
     text = text_field(get)
-    rate = int(getattr(model, "input_sample_rate", 0) or model.spec.sample_rate)  # the rate its encoder wants
-    kwargs = prepare_kwargs(get, specs, rate)
+    kwargs = prepare_kwargs(get, specs)
     try:
         return model.prepare(text, **kwargs)
     except InvalidRequest as e:
         raise InvalidRequest(_input_names(str(e), specs)) from None
 
 
-def prepare_kwargs(get: Getter, specs: tuple[TensorSpec, ...], audio_rate: int) -> dict:
+def prepare_kwargs(get: Getter, specs: tuple[TensorSpec, ...]) -> dict:
     """The model's inputs as prepare() keywords; absent (or empty-string) inputs are left to the model's default.
 
     Inputs that share a `segment` become one list of dicts, element i of each input going to segment i;
-    they must all be present with the same number of elements.
+    they must all be present with the same number of elements (a "rate" input may hold one value for all).
     """
     kwargs: dict = {}
     segments: dict[str, list[TensorSpec]] = {}
@@ -84,7 +83,7 @@ def prepare_kwargs(get: Getter, specs: tuple[TensorSpec, ...], audio_rate: int) 
             if item is not None:
                 kwargs[spec.arg] = item
     for segment, group in segments.items():
-        parsed = _segments(get, group, audio_rate)
+        parsed = _segments(get, group)
         if parsed is not None:
             kwargs[segment] = parsed
     return kwargs
@@ -104,7 +103,7 @@ def _numbers(spec: TensorSpec, value: np.ndarray) -> list:
     return [int(v) if integer else float(v) for v in value]
 
 
-def _segments(get: Getter, group: list[TensorSpec], audio_rate: int) -> list[dict] | None:
+def _segments(get: Getter, group: list[TensorSpec]) -> list[dict] | None:
     values = {s.name: get(s.name) for s in group}
     present = [s for s in group if values[s.name] is not None]
     if not present:
@@ -115,19 +114,20 @@ def _segments(get: Getter, group: list[TensorSpec], audio_rate: int) -> list[dic
                                  f"got shape {list(values[s.name].shape)}")
     parts = [s for s in group if s.kind != "rate"]
     first = next((s for s in parts if values[s.name] is not None), present[0])
-    n = len(values[first.name]) if values[first.name] is not None else 0
+    n = len(values[first.name])
     for s in parts:
         if values[s.name] is None:
             raise InvalidRequest(f"{s.name} is missing: send {', '.join(p.name for p in parts)} together, "
-                                 f"one element per context segment")
+                                 f"one element per segment")
         if len(values[s.name]) != n:
             raise InvalidRequest(f"{s.name} has {len(values[s.name])} element(s) but {first.name} has {n}: "
                                  f"send one element per segment in each")
-    rates = {s.arg: (s, values[s.name]) for s in group if s.kind == "rate" and values[s.name] is not None}
+    rate = next((s for s in present if s.kind == "rate"), None)
+    rates = _rates(rate, values[rate.name], n) if rate else None
     out: list[dict] = [{} for _ in range(n)]
     for s in parts:
         if s.kind == "audio":
-            items = _audio(s, values[s.name], rates.get(s.arg), n, audio_rate)
+            items = _audio(s, values[s.name], raw=rates is not None)
         elif s.dtype == "STRING":
             items = [string_field(lambda _, v=v: np.array([v], dtype=np.object_), f"{s.name}[{i}]", required=True)
                      for i, v in enumerate(values[s.name])]
@@ -135,33 +135,32 @@ def _segments(get: Getter, group: list[TensorSpec], audio_rate: int) -> list[dic
             items = _numbers(s, values[s.name])
         for seg, item in zip(out, items):
             seg[s.arg] = item
+    for seg, r in zip(out, rates or ()):
+        seg[rate.arg] = r
     return out
 
 
-def _audio(spec: TensorSpec, value: np.ndarray, rate: tuple[TensorSpec, np.ndarray] | None, n: int,
-           target_rate: int) -> list:
-    """Audio files (bytes), or raw little-endian float32 samples at the given rate(s) -> float32 at target_rate."""
-    try:
-        from voxbackend.audio_io import read_audio
-    except ImportError:
-        raise InvalidRequest(f"{spec.name}: this build cannot read audio (voxbackend.audio_io is missing)") from None
-    rates = None
-    if rate is not None:
-        rates = _numbers(*rate)
-        if len(rates) not in (1, n):
-            raise InvalidRequest(f"{rate[0].name} needs 1 or {n} element(s) (one per segment), got {len(rates)}")
-        rates = rates * n if len(rates) == 1 else rates
+def _rates(spec: TensorSpec, value: np.ndarray, n: int) -> list[int]:
+    rates = _numbers(spec, value)
+    if len(rates) not in (1, n):
+        raise InvalidRequest(f"{spec.name} needs 1 or {n} element(s) (one per segment), got {len(rates)}")
+    return rates * n if len(rates) == 1 else rates
+
+
+def _audio(spec: TensorSpec, value: np.ndarray, raw: bool) -> list[bytes | np.ndarray]:
+    """Each element: an audio file's bytes, passed on for the model to decode; or (raw) little-endian float32
+    samples, passed on as an array (the model resamples them from the rate input)."""
     out = []
     for i, item in enumerate(value):
-        name = f"{spec.name}[{i}]"
         if not isinstance(item, (bytes, np.bytes_)):
-            raise InvalidRequest(f"{name} must be BYTES, got {type(item).__name__}")
+            raise InvalidRequest(f"{spec.name}[{i}] must be BYTES, got {type(item).__name__}")
         data = bytes(item)
-        if rates is not None:  # raw samples, no header
+        if raw:
             if len(data) % 4:
-                raise InvalidRequest(f"{name}: raw float32 samples need a multiple of 4 bytes, got {len(data)}")
-            data = np.frombuffer(data, dtype="<f4").astype(np.float32)  # read_audio resamples it
-        out.append(read_audio(data, rates[i] if rates is not None else None, target_rate, field=name))
+                raise InvalidRequest(f"{spec.name}[{i}]: raw float32 samples need a multiple of 4 bytes, "
+                                     f"got {len(data)}")
+            data = np.frombuffer(data, dtype="<f4").astype(np.float32)
+        out.append(data)
     return out
 
 

@@ -24,7 +24,7 @@ class TensorSpec:
     # --- model-specific inputs only (MODEL_INPUTS): how fields.prepare_kwargs hands them to model.prepare ---
     arg: str = ""  # the prepare() keyword (or segment key) this input fills
     segment: str = ""  # set: one element per segment; prepare(<segment>=[{arg: value, ...}, ...])
-    kind: str = ""  # "audio": BYTES elements are audio files (or raw float32 with a rate); "rate": that rate
+    kind: str = ""  # "audio": BYTES audio files, or raw float32 when the segment's "rate" input is present
 
 
 # Sampling fields: Triton name -> SamplingParams attribute.
@@ -67,11 +67,12 @@ MODEL_INPUTS: dict[str, tuple[TensorSpec, ...]] = {
         TensorSpec("CONTEXT_SPEAKER", "INT32", (-1,), optional=True, doc="speaker id per context segment",
                    arg="speaker", segment="context"),
         TensorSpec("CONTEXT_AUDIO", "STRING", (-1,), optional=True,
-                   doc="audio per context segment: a WAV/FLAC/OGG file's bytes, or raw little-endian float32 "
-                       "samples when CONTEXT_SAMPLE_RATE is sent", arg="audio", segment="context", kind="audio"),
+                   doc="audio per context segment: a WAV/FLAC/OGG file's bytes (any rate: resampled), or raw "
+                       "little-endian float32 mono samples when CONTEXT_SAMPLE_RATE is sent",
+                   arg="audio", segment="context", kind="audio"),
         TensorSpec("CONTEXT_SAMPLE_RATE", "INT32", (-1,), optional=True,
                    doc="Hz of raw float32 CONTEXT_AUDIO: one value for all segments or one per segment",
-                   arg="audio", segment="context", kind="rate"),
+                   arg="sample_rate", segment="context", kind="rate"),
     ),
 }
 
