@@ -425,6 +425,8 @@ def internals_lines(title: str, internals: dict[str, tuple[float, int]], wall: f
 def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__, epilog=METHOD,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="orpheus", choices=["orpheus", "csm"],
+                    help="csm: perf/csm_bench.py (tiny CSM vs transformers generate + Mimi; --max-tokens = frames)")
     ap.add_argument("--size", default="bench", choices=["bench", "tiny", "quick"],
                     help="checkpoint size: voxbackend.tools.tiny_checkpoint SIZES, or 'quick' (smoke test)")
     ap.add_argument("--streams", default="1,8,32", help="comma-separated concurrent stream counts")
@@ -451,6 +453,8 @@ def parse_args(argv: list[str] | None):
         args.max_tokens = 42 if args.max_tokens == 256 else args.max_tokens
         args.naive_requests = 1 if args.naive_requests == 4 else args.naive_requests
         args.single_rounds = 1 if args.single_rounds == 3 else args.single_rounds
+    if args.model == "csm":  # frames of 80 ms: ~3 s (the Orpheus default's audio), or ~1 s when quick
+        args.max_tokens = {256: 38, 42: 12}.get(args.max_tokens, args.max_tokens)
     args.stream_counts = sorted({int(s) for s in str(args.streams).split(",") if s.strip()})
     if not args.stream_counts or min(args.stream_counts) < 1:
         ap.error("--streams needs positive integers")
@@ -465,6 +469,10 @@ def log(msg: str) -> None:
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
+    if args.model == "csm":
+        import csm_bench  # perf/csm_bench.py
+
+        return csm_bench.run(args, *load_prompts(args.prompts), log)
     run_started = time.perf_counter()
     info = provenance.collect()
     cache = args.cache_dir or default_cache()
