@@ -377,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         ap.error(str(e))
     opts = RequestOptions(
-        voice=a.voice, speaker=a.speaker, context=context, max_tokens=a.max_tokens, sampling_seed=a.sampling_seed, audio_format=a.audio_format,
+        voice=a.voice, speaker=a.speaker, context=context, max_tokens=a.max_tokens, sampling_seed=a.sampling_seed,
+        audio_format=a.audio_format,
         sampling={"TEMPERATURE": a.temperature, "TOP_P": a.top_p, "TOP_K": a.top_k, "MIN_P": a.min_p,
                   "REPETITION_PENALTY": a.repetition_penalty})
     prompts = load_prompts(a.prompts)

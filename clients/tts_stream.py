@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         context = context_fields(a.context_text, a.context_audio, a.context_speaker, a.speaker or 0)
     except (ValueError, OSError) as e:
         ap.error(str(e))
-    inputs = make_inputs(a.text, a.voice, a.format, speaker=a.speaker, context=context, TEMPERATURE=a.temperature, TOP_P=a.top_p, TOP_K=a.top_k,
+    inputs = make_inputs(a.text, a.voice, a.format, speaker=a.speaker, context=context,
+                         TEMPERATURE=a.temperature, TOP_P=a.top_p, TOP_K=a.top_k,
                          MIN_P=a.min_p, REPETITION_PENALTY=a.repetition_penalty, MAX_TOKENS=a.max_tokens,
                          SEED=a.seed)
     out = stream_request(a.url, a.model, inputs, a.format, a.timeout)

@@ -211,7 +211,8 @@ BAD_INPUTS = {
     "context too long for the model": (_context(["zq" * 1999], [0], [CLIP]), "the model's context is 2048"),
     "mismatched context lists": (_context(["One.", "Two."], [0], [CLIP, CLIP]),
                                  "CONTEXT_SPEAKER has 1 element(s) but CONTEXT_TEXT has 2"),
-    "context audio missing": ([_tensor("TEXT", _bytes(b"Hi."), "BYTES"), _tensor("CONTEXT_TEXT", _bytes(b"A."), "BYTES"),
+    "context audio missing": ([_tensor("TEXT", _bytes(b"Hi."), "BYTES"),
+                               _tensor("CONTEXT_TEXT", _bytes(b"A."), "BYTES"),
                                _tensor("CONTEXT_SPEAKER", np.array([0], np.int32), "INT32")],
                               "CONTEXT_AUDIO is missing"),
     "rate list of the wrong length": (_context(["One.", "Two."], [0, 1], [b"\x00" * 8] * 2)

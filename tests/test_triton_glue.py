@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -13,7 +14,7 @@ import pytest
 from voxbackend.errors import InvalidRequest
 from voxbackend.events import Event, EventKind
 from voxbackend.sampling_params import SamplingParams
-from voxbackend.triton import audio_encoding, fields
+from voxbackend.triton import audio_encoding, fields, schema
 from voxbackend.triton.cancel_channel import CancelListener, send_cancel
 from voxbackend.triton.fake_engine import FakeEngine
 from voxbackend.triton.loading import instance_settings
@@ -82,6 +83,63 @@ def test_audio_format_and_prompt_ids():
     assert fields.prompt_ids(getter(PROMPT_IDS=np.array([1, 2, 3], np.int64))) == [1, 2, 3]
     with pytest.raises(InvalidRequest, match="PROMPT_IDS"):
         fields.prompt_ids(getter(PROMPT_IDS=np.zeros(0, np.int64)))
+
+
+CSM_INPUTS = schema.MODEL_INPUTS["speaker_context"]
+
+
+def test_model_inputs_become_prepare_keywords():
+    voice = schema.MODEL_INPUTS["voice"]
+    assert fields.prepare_kwargs(getter(VOICE=text(b"leo")), voice) == {"voice": "leo"}
+    assert fields.prepare_kwargs(getter(VOICE=text(b"")), voice) == {}  # empty: the model's default
+    raw = np.arange(3, dtype="<f4")
+    kw = fields.prepare_kwargs(getter(
+        SPEAKER=np.array([2], np.int32), CONTEXT_TEXT=np.array([b"one", "twö".encode()], dtype=np.object_),
+        CONTEXT_SPEAKER=np.array([0, 1], np.int32), CONTEXT_AUDIO=np.array([raw.tobytes(), b""], dtype=np.object_),
+        CONTEXT_SAMPLE_RATE=np.array([16000], np.int32)), CSM_INPUTS)
+    assert kw["speaker"] == 2 and [(c["text"], c["speaker"], c["sample_rate"]) for c in kw["context"]] == [
+        ("one", 0, 16000), ("twö", 1, 16000)]  # one rate for every segment
+    np.testing.assert_array_equal(kw["context"][0]["audio"], raw)
+    files = fields.prepare_kwargs(getter(CONTEXT_TEXT=text(b"a"), CONTEXT_SPEAKER=np.array([3], np.int32),
+                                         CONTEXT_AUDIO=text(b"RIFF...")), CSM_INPUTS)
+    assert files == {"context": [{"text": "a", "speaker": 3, "audio": b"RIFF..."}]}  # files go to the model as bytes
+
+
+@pytest.mark.parametrize("tensors, message", [
+    (dict(SPEAKER=np.array([1.5], np.float32)), "SPEAKER must be an integer"),
+    (dict(SPEAKER=np.array([1, 2], np.int32)), "SPEAKER must hold exactly one element"),
+    (dict(CONTEXT_TEXT=text(b"a")), "CONTEXT_SPEAKER is missing"),
+    (dict(CONTEXT_TEXT=np.array([b"a", b"b"], dtype=np.object_), CONTEXT_SPEAKER=np.array([0], np.int32),
+          CONTEXT_AUDIO=np.array([b"x", b"y"], dtype=np.object_)),
+     r"CONTEXT_SPEAKER has 1 element\(s\) but CONTEXT_TEXT has 2"),
+    (dict(CONTEXT_TEXT=text(b"a"), CONTEXT_SPEAKER=np.array([0], np.int32), CONTEXT_AUDIO=text(b"abc"),
+          CONTEXT_SAMPLE_RATE=np.array([8000], np.int32)), "multiple of 4 bytes"),
+    (dict(CONTEXT_TEXT=text(b"a"), CONTEXT_SPEAKER=np.array([0], np.int32), CONTEXT_AUDIO=text(b"abcd"),
+          CONTEXT_SAMPLE_RATE=np.array([8000, 8000], np.int32)), "CONTEXT_SAMPLE_RATE needs 1 or 1 element"),
+    (dict(CONTEXT_TEXT=np.array([[b"a"]], dtype=np.object_)), "must be a 1-D tensor"),
+    (dict(CONTEXT_TEXT=text(b"\xff"), CONTEXT_SPEAKER=np.array([0], np.int32), CONTEXT_AUDIO=text(b"x")),
+     r"CONTEXT_TEXT\[0\] is not valid UTF-8"),
+])
+def test_model_input_errors_name_the_tensor(tensors, message):
+    with pytest.raises(InvalidRequest, match=message):
+        fields.prepare_kwargs(getter(**tensors), CSM_INPUTS)
+
+
+def test_model_messages_are_translated_to_tensor_names():
+    class Model:
+        def __init__(self, message):
+            self.message = message
+
+        def prepare(self, text, **kwargs):
+            raise InvalidRequest(self.message)
+
+    for said, meant in [("speaker must be in [0, 10), got 12", "SPEAKER must be in [0, 10), got 12"),
+                        ("context[1].speaker must be in [0, 10)", "CONTEXT_SPEAKER[1] must be in [0, 10)"),
+                        ("context[0].audio is 170.00 s; the limit is 163.84 s", "CONTEXT_AUDIO[0] is 170.00 s"),
+                        ("text is 5000 characters", "TEXT is 5000 characters"),
+                        ("prompt is 3000 positions", "prompt is 3000 positions")]:
+        with pytest.raises(InvalidRequest, match=re.escape(meant)):
+            fields.prepare_request(getter(TEXT=text(b"hi")), Model(said), CSM_INPUTS)
 
 
 def test_encodings_round_trip_and_clip():

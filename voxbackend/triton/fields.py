@@ -98,7 +98,8 @@ def _scalar(spec: TensorSpec, value: np.ndarray):
 def _numbers(spec: TensorSpec, value: np.ndarray) -> list:
     integer = spec.dtype.startswith("INT")
     if value.dtype.kind not in ("iu" if integer else "iuf"):
-        what = ("an integer" if integer else "a number") if spec.dims == (1,) else ("integers" if integer else "numbers")
+        one = spec.dims == (1,)
+        what = ("an integer" if one else "integers") if integer else ("a number" if one else "numbers")
         raise InvalidRequest(f"{spec.name} must be {what}, got {value.dtype}")
     return [int(v) if integer else float(v) for v in value]
 
