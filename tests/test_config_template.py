@@ -119,3 +119,14 @@ def test_every_engine_parameter_is_an_engine_config_field():
 
     engine_options = set(configs.ENGINE_PARAMS) - set(GLUE_PARAMS)
     assert engine_options <= {f.name for f in fields(EngineConfig)}
+
+
+def test_every_engine_option_is_a_config_parameter():
+    from dataclasses import fields
+
+    from voxbackend.config import EngineConfig
+    from voxbackend.triton.configs import ENGINE_PARAMS
+
+    assert {f.name for f in fields(EngineConfig)} <= set(ENGINE_PARAMS)
+    assert EngineConfig.from_options({k: ENGINE_PARAMS[k] for k in (f.name for f in fields(EngineConfig))
+                                      if k != "device"})

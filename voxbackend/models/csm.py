@@ -291,6 +291,9 @@ class Csm(SpeechModel):
             groups.setdefault(len(j.codes), []).append(i)
         for idx in groups.values():
             codes = torch.as_tensor(np.stack([jobs[i].codes for i in idx]), device=self.device).transpose(1, 2)
+            # the LM samples 2051 ids per codebook; the 3 above Mimi's 2048 are specials (pad, ...) that a
+            # trained model does not emit mid-frame: clamp so a stray one cannot crash or alias the codec
+            codes = codes.clamp(max=self.codec.codebook_size - 1)
             audio = self.codec.decode_chunk(codes, [jobs[i].state for i in idx])
             for row, i in enumerate(idx):
                 out[i] = audio[row, 0].float().cpu().numpy()

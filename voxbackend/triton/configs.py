@@ -35,6 +35,10 @@ ENGINE_PARAMS = {
     "page_size": "16",
     "prefill_budget": "512",
     "max_queue": "256",  # requests waiting beyond this get an "overloaded" error
+    "detok_batch": "16",  # codec windows per detokenizer call
+    "first_chunk_s": "0",  # hold each stream's first audio until it is this long (seconds)
+    "playback_margin_s": "1.0",  # online policy: buffer below last chunk + this margin = pressing
+    "attention": "auto",  # auto | torch | flashinfer
     "engine_loader": "voxbackend:load",  # module:function(model_dir, codec_dir=..., **options) -> engine
     "frontend_loader": "voxbackend.triton.loading:default_frontend",  # module:function(model_dir, codec_dir) -> model
 }
