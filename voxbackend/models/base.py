@@ -1,9 +1,10 @@
 """The model contract: what the engine needs to know about a SpeechLM and what it may ask it to do.
 
 A model file declares a `ModelSpec` and implements `SpeechModel`. The engine and scheduler only see this
-interface, so a new SpeechLM (one token per step like Orpheus/CosyVoice2, several codebook columns plus a depth
-transformer like CSM/Qwen3-TTS, a delay pattern like Zonos, speech-to-speech with audio features like
-Step-Audio-2) plugs in without touching them.
+interface, so a new SpeechLM plugs in without touching them: one token per step (Orpheus, CosyVoice2,
+Chatterbox) or several codebook columns plus a depth transformer (CSM, Qwen3-TTS; a delay pattern like Zonos is
+a column layout). Speech-to-speech models (GLM-4-Voice, Step-Audio-2) will need one more hook: per-position
+audio-encoder features in the prompt; it is not part of the contract yet.
 """
 from __future__ import annotations
 
@@ -55,15 +56,6 @@ class ModelSpec:
     has_depth: bool = False  # a depth transformer produces the remaining columns of each step
     # token_columns > 1: prompt rows hold ids of column j in [0, column_vocab[j]), or -1 where a row has no entry
     column_vocab: tuple[int, ...] = ()
-
-
-@dataclass
-class Prompt:
-    """What preprocessing hands the engine. Models with audio or speaker conditioning add features."""
-
-    token_ids: list[int]
-    features: torch.Tensor | None = None  # [len, hidden] embeddings that replace token embeddings where mask
-    feature_mask: torch.Tensor | None = None  # [len] bool
 
 
 @dataclass
@@ -134,7 +126,3 @@ class SpeechModel:
 
     def new_codec_state(self) -> Any:
         return None
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        g = self.spec.geometry
-        return 2 * g.num_layers * g.num_kv_heads * g.head_dim * torch.tensor([], dtype=dtype).element_size()
