@@ -175,3 +175,38 @@ def test_bad_rows_refused_by_engine(engine):
         with pytest.raises(InvalidRequest, match=match):
             engine.submit(bad)
     assert engine.pool.used_pages == 0 and not engine.waiting
+
+
+def test_frontend_needs_no_weights(engine, tiny_csm, tmp_path):
+    """The preprocess front end works from a copy whose model.safetensors holds only the codec (codec_model.*):
+    no backbone/depth weights, no decoder; the Mimi encoder loads only for waveform context."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from voxbackend.models.csm import CsmFrontend
+    from voxbackend.models.registry import load_frontend
+
+    model_dir = tmp_path / "csm"
+    shutil.copytree(tiny_csm, model_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    with safe_open(str(tiny_csm / "model.safetensors"), framework="pt") as st:
+        save_file({k: st.get_tensor(k) for k in st.keys() if k.startswith("codec_model.")},
+                  str(model_dir / "model.safetensors"))
+    front = load_frontend(model_dir)
+    assert type(front) is CsmFrontend
+    assert not any(hasattr(front, a) for a in ("backbone", "depth", "codec", "audio_embed", "depth_heads"))
+    assert front.spec == engine.model.spec and front.default_sampling() == engine.model.default_sampling()
+
+    text = "The quick brown fox jumps over the lazy dog."
+    assert front.prepare(text, 3) == engine.model.prepare(text, 3)
+    assert front._encoder is None  # text and Mimi-code context need no encoder
+    codes = np.random.default_rng(0).integers(0, 2048, (4, 32))
+    coded = [ContextSegment("Before.", 1, codes)]
+    assert front.prepare(text, 0, context=coded) == engine.model.prepare(text, 0, context=coded)
+    assert front._encoder is None
+
+    audio = np.random.default_rng(1).standard_normal(1920 * 3 + 700).astype(np.float32) * 0.3
+    waves = [ContextSegment("I am doing well.", 2, audio=audio), {"text": "Fine.", "speaker": 0, "audio": audio[:4000],
+                                                                   "sample_rate": 16000}]
+    rows = front.prepare(text, 1, context=waves)
+    assert front._encoder is not None
+    assert rows == engine.model.prepare(text, 1, context=waves)

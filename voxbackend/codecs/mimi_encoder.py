@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from voxbackend.codecs.mimi import MLP, LayerScale, _rotate
-from voxbackend.codecs.mimi_weights import codebook_tables, read_codec_config, read_codec_tensors
+from voxbackend.codecs.mimi_weights import codebook_tables, frame_size, read_codec_config, read_codec_tensors
 
 
 class Conv(nn.Module):
@@ -147,10 +147,8 @@ class MimiEncoder(nn.Module):
         self.num_codebooks: int = cfg["num_quantizers"]
         self.num_semantic: int = cfg.get("num_semantic_quantizers", 1)
         self.codebook_size: int = cfg["codebook_size"]
-        hop = math.prod(cfg["upsampling_ratios"])
-        frame_rate = cfg.get("frame_rate") or cfg.get("_frame_rate") or self.sample_rate / (2 * hop)
-        self.latent_stride = round(math.ceil(self.sample_rate / hop) / frame_rate)  # transformer steps per frame
-        self.frame_size = hop * self.latent_stride
+        self.frame_size: int = frame_size(cfg)
+        self.latent_stride = self.frame_size // math.prod(cfg["upsampling_ratios"])  # transformer steps per frame
         d, dq = cfg["hidden_size"], cfg.get("vector_quantization_hidden_dimension", 256)
         self.encoder = SeanetEncoder(cfg)
         self.encoder_transformer = Transformer(cfg)

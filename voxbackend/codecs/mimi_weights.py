@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -10,6 +11,13 @@ import torch
 def read_codec_config(path: Path) -> dict:
     cfg = json.loads((path / "config.json").read_text())
     return cfg.get("codec_config") or cfg  # a CSM config.json holds the Mimi config under "codec_config"
+
+
+def frame_size(cfg: dict) -> int:
+    """Audio samples per code frame (1920 for kyutai/mimi: 24 kHz at 12.5 Hz), from the Mimi config alone."""
+    hop = math.prod(cfg["upsampling_ratios"])
+    frame_rate = cfg.get("frame_rate") or cfg.get("_frame_rate") or cfg["sampling_rate"] / (2 * hop)
+    return hop * round(math.ceil(cfg["sampling_rate"] / hop) / frame_rate)  # hop x transformer steps per frame
 
 
 def read_codec_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:

@@ -11,7 +11,8 @@ Follows transformers' CsmForConditionalGeneration (checkpoint layout of `sesame/
     the hidden state at position k >= 1 goes through codebook k's own head to give codebook k;
   * stop: a frame whose codebooks 0..30 are all the eos id (0); an all-eos frame is not audio.
 Context audio enters as Mimi codes [frames, 32] or as a waveform, which `prepare` (preprocessing, the caller's thread)
-encodes with the Mimi encoder, loaded on first use from the same codec weights.
+encodes with the Mimi encoder, loaded on first use from the same codec weights. `CsmFrontend` is just that
+preprocessing side (tokenizer, prompt rules, spec, the lazy encoder); `Csm` adds the backbone, depth and codec weights.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from tokenizers import Tokenizer
 from voxbackend.audio_io import read_audio
 from voxbackend.codecs.mimi import MimiDecoder
 from voxbackend.codecs.mimi_encoder import MimiEncoder
+from voxbackend.codecs.mimi_weights import frame_size, read_codec_config
 from voxbackend.errors import InvalidRequest
 from voxbackend.models.base import ModelSpec, SpeechModel, WindowJob, WindowSpec
 from voxbackend.models.checkpoint import load_safetensors, read_config
@@ -79,58 +81,42 @@ class _DepthCache:
         return out.transpose(1, 2).reshape(q.shape)
 
 
-class Csm(SpeechModel):
+class CsmFrontend(SpeechModel):
+    """Tokenizer, prompt rules and spec without LM or codec decoder weights: what preprocessing instances need.
+    The only weights it may load are the Mimi encoder's, on the first request whose context is a waveform."""
+
     def __init__(
         self,
         model_dir: str | Path,
         codec_dir: str | Path | None = None,
         device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
         first_window_frames: int = 2,
         window_frames: int = 10,
     ):
         hf = read_config(model_dir)
         self.device = device
         self.num_codebooks = K = hf["num_codebooks"]
-        self.vocab = V = hf["vocab_size"]
+        self.vocab = hf["vocab_size"]
         self.text_vocab = hf["text_vocab_size"]
         self.eos_code = hf.get("codebook_eos_token_id", 0)
-        w = load_safetensors(model_dir)
         self.cfg = LlamaConfig.from_hf(hf)
-        self.backbone = build_llama(self.cfg, w, device, dtype, prefix="backbone_model.", embed=False)
-        depth_hf = hf["depth_decoder_config"]
-        self.depth = build_llama(LlamaConfig.from_hf(depth_hf), w, device, dtype, prefix="depth_decoder.model.",
-                                 embed=False, head=False)
-        self.depth_geometry = (self.depth.cfg.num_layers, self.depth.cfg.num_kv_heads, self.depth.cfg.head_dim)
-
-        def take(*names: str) -> torch.Tensor:  # the first name present (tied tables are saved once)
-            for n in names:
-                if n in w:
-                    return w[n].to(device=device, dtype=dtype)
-            raise KeyError(f"checkpoint is missing weight {names[0]!r}")
-
-        audio = "backbone_model.embed_tokens.embed_audio_tokens.weight"
-        self.text_embed = take("embed_text_tokens.weight")
-        self.audio_embed = take(audio, "depth_decoder.model.embed_tokens.weight")  # [K * V, hidden]
-        self.depth_embed = take("depth_decoder.model.embed_tokens.weight", audio)
-        self.depth_proj = take("depth_decoder.model.inputs_embeds_projector.weight")  # [depth hidden, hidden]
-        self.depth_heads = take("depth_decoder.codebooks_head.weight")  # [K - 1, depth hidden, V]
-        self.offsets = torch.arange(K, device=device) * V
-        del w
-
         self.tokenizer = self._load_tokenizer(Path(model_dir))
         self.bos, self.eos = self.tokenizer.token_to_id(BOS), self.tokenizer.token_to_id(EOS)
-        codec_path, codec_prefix = (codec_dir, "") if codec_dir is not None else (model_dir, "codec_model.")
-        self.codec = MimiDecoder.from_pretrained(codec_path, device=device, prefix=codec_prefix)
-        self._encoder_source = (codec_path, codec_prefix)
+
+        # no codec_dir: the Mimi weights inside the checkpoint; only its config is read here
+        self.codec_source = (Path(codec_dir), "") if codec_dir is not None else (Path(model_dir), "codec_model.")
+        codec = read_codec_config(self.codec_source[0])
+        self.codebook_size: int = codec["codebook_size"]
+        self.codec_sample_rate: int = codec["sampling_rate"]
+        self.codec_frame_rate = self.codec_sample_rate / frame_size(codec)
+        if codec["num_quantizers"] < K:
+            raise ValueError(f"the Mimi codec has {codec['num_quantizers']} codebooks; CSM needs {K}")
         self._encoder: MimiEncoder | None = None  # loaded by the first request with context audio
         self._encoder_lock = threading.Lock()
-        if self.codec.num_codebooks < K:
-            raise ValueError(f"the Mimi codec has {self.codec.num_codebooks} codebooks; CSM needs {K}")
         self.spec = ModelSpec(
             name="csm",
             geometry=llama_geometry(self.cfg),
-            sample_rate=self.codec.sample_rate,
+            sample_rate=self.codec_sample_rate,
             codes_per_frame=K,
             # streaming Mimi carries its state between windows, so a short first window is exact
             window=WindowSpec(frames=window_frames, hop_frames=window_frames, first_frames=first_window_frames,
@@ -138,7 +124,7 @@ class Csm(SpeechModel):
             stop_ids=(),
             token_columns=K + 1,
             has_depth=True,
-            column_vocab=(V,) * K + (self.text_vocab,),
+            column_vocab=(self.vocab,) * K + (self.text_vocab,),
         )
 
     @staticmethod
@@ -212,24 +198,24 @@ class Csm(SpeechModel):
         if codes.dtype.kind not in "iu" or codes.ndim != 2 or codes.shape[1] != self.num_codebooks or not len(codes):
             raise InvalidRequest(f"{field}.codes must be integer Mimi codes [frames, {self.num_codebooks}], "
                                  f"got {codes.dtype} {list(codes.shape)}")
-        if codes.min() < 0 or codes.max() >= self.codec.codebook_size:
-            raise InvalidRequest(f"{field}.codes must be in [0, {self.codec.codebook_size})")
+        if codes.min() < 0 or codes.max() >= self.codebook_size:
+            raise InvalidRequest(f"{field}.codes must be in [0, {self.codebook_size})")
         return ContextSegment(seg.text, speaker, codes.astype(np.int64))
 
     def _encode_context(self, seg: ContextSegment, field: str) -> np.ndarray:
         is_file = isinstance(seg.audio, (bytes, bytearray, memoryview)) or (
             isinstance(seg.audio, np.ndarray) and seg.audio.dtype.kind in "OSV")
-        rate = seg.sample_rate if seg.sample_rate is not None or is_file else self.codec.sample_rate
+        rate = seg.sample_rate if seg.sample_rate is not None or is_file else self.codec_sample_rate
         # longer audio could never fit the prompt; refuse before spending the encoder on it
-        max_s = self.spec.geometry.max_context / self.codec.frame_rate
-        audio = read_audio(seg.audio, rate, self.codec.sample_rate, max_seconds=max_s, field=field)
+        max_s = self.spec.geometry.max_context / self.codec_frame_rate
+        audio = read_audio(seg.audio, rate, self.codec_sample_rate, max_seconds=max_s, field=field)
         return self.encode_audio(audio)
 
     @property
     def encoder(self) -> MimiEncoder:
         with self._encoder_lock:  # preprocessing may run on several threads
             if self._encoder is None:
-                path, prefix = self._encoder_source
+                path, prefix = self.codec_source
                 self._encoder = MimiEncoder.from_pretrained(path, device=self.device, prefix=prefix)
         return self._encoder
 
@@ -240,6 +226,41 @@ class Csm(SpeechModel):
 
     def default_sampling(self) -> SamplingParams:
         return SamplingParams(temperature=0.9, top_k=50, max_tokens=MAX_FRAMES)
+
+
+class Csm(CsmFrontend):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        codec_dir: str | Path | None = None,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        first_window_frames: int = 2,
+        window_frames: int = 10,
+    ):
+        super().__init__(model_dir, codec_dir, device, first_window_frames, window_frames)
+        w = load_safetensors(model_dir)
+        self.backbone = build_llama(self.cfg, w, device, dtype, prefix="backbone_model.", embed=False)
+        depth_cfg = LlamaConfig.from_hf(read_config(model_dir)["depth_decoder_config"])
+        self.depth = build_llama(depth_cfg, w, device, dtype, prefix="depth_decoder.model.", embed=False, head=False)
+        self.depth_geometry = (self.depth.cfg.num_layers, self.depth.cfg.num_kv_heads, self.depth.cfg.head_dim)
+
+        def take(*names: str) -> torch.Tensor:  # the first name present (tied tables are saved once)
+            for n in names:
+                if n in w:
+                    return w[n].to(device=device, dtype=dtype)
+            raise KeyError(f"checkpoint is missing weight {names[0]!r}")
+
+        audio = "backbone_model.embed_tokens.embed_audio_tokens.weight"
+        self.text_embed = take("embed_text_tokens.weight")
+        self.audio_embed = take(audio, "depth_decoder.model.embed_tokens.weight")  # [K * V, hidden]
+        self.depth_embed = take("depth_decoder.model.embed_tokens.weight", audio)
+        self.depth_proj = take("depth_decoder.model.inputs_embeds_projector.weight")  # [depth hidden, hidden]
+        self.depth_heads = take("depth_decoder.codebooks_head.weight")  # [K - 1, depth hidden, V]
+        self.offsets = torch.arange(self.num_codebooks, device=device) * self.vocab
+        del w
+        path, prefix = self.codec_source
+        self.codec = MimiDecoder.from_pretrained(path, device=device, prefix=prefix)
 
     # ---------------------------------------------------------------- LM
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:

@@ -24,11 +24,15 @@ def find_codec_dir(model_dir: Path) -> Path | None:
 
 def load_frontend(model_dir: str | Path, codec_dir: str | Path | None = None) -> SpeechModel:
     """What preprocessing needs (prepare, default_sampling, voices, spec): without LM weights where the model
-    allows, so several CPU preprocess instances never hold copies of a 3B model."""
+    allows, so several CPU preprocess instances never hold copies of a 1B-3B model."""
     model_dir = Path(model_dir)
+    from voxbackend.models.csm import CsmFrontend, is_csm_config
     from voxbackend.models.orpheus import OrpheusFrontend, is_orpheus_config
 
-    if is_orpheus_config(read_config(model_dir)):
+    hf = read_config(model_dir)
+    if is_csm_config(hf):
+        return CsmFrontend(model_dir, codec_dir)  # loads only the Mimi encoder, and only for context audio
+    if is_orpheus_config(hf):
         return OrpheusFrontend(model_dir, _orpheus_codec(model_dir, codec_dir))
     import torch
 
