@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's test command: sets up the environment, then runs the whole suite (CPU only, ~10 minutes).
+# The project's test command: sets up the environment, then runs the whole suite (CPU only, 3-6 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="$(bash scripts/setup_env.sh | tail -n 1)"
