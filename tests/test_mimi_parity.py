@@ -60,7 +60,7 @@ def _moshi_mimi(path):
 
     from safetensors.torch import load_file
 
-    moshi_compression = pytest.importorskip("moshi.models.compression")
+    import moshi.models.compression as moshi_compression
     from moshi.modules import SEANetDecoder, SEANetEncoder, transformer
     from moshi.quantization import SplitResidualVectorQuantizer
 

@@ -7,7 +7,7 @@ import voxbackend
 from voxbackend import EventKind, InvalidRequest, SamplingParams
 from voxbackend.engine.detokenize import window_seed
 
-snac = pytest.importorskip("snac")
+import snac  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import torch
 
 from voxbackend.codecs.snac import SnacDecoder
 
-snac = pytest.importorskip("snac")
+import snac  # noqa: E402
 
 
 def _codes(batch: int, frames: int, seed: int) -> list[torch.Tensor]:

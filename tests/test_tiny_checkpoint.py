@@ -4,7 +4,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -34,7 +33,8 @@ def test_snac_deterministic(tmp_path, tiny_orpheus):
 
 
 def test_snac_package_loads_strict(tiny_orpheus):
-    snac = pytest.importorskip("snac")
+    import snac
+
     codec_dir = tiny_orpheus[1]
     model = snac.SNAC.from_config(str(codec_dir / "config.json"))
     model.load_state_dict(torch.load(codec_dir / "pytorch_model.bin", weights_only=True), strict=True)

@@ -23,16 +23,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-tritonclient = pytest.importorskip("tritonclient.grpc")
+import tritonclient.grpc as tritonclient  # noqa: E402
 
 from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
-from voxbackend.triton.server import TritonServer, find_tritonserver  # noqa: E402
+from voxbackend.triton.server import TritonServer  # noqa: E402
 
-try:
-    find_tritonserver()
-except FileNotFoundError as e:  # pragma: no cover - the dev and CI machines have the wheel
-    pytest.skip(f"no tritonserver: {e}", allow_module_level=True)
 
 MAX_TOKENS = 63  # 9 Orpheus frames: a handful of chunks per stream keeps 2-core runs quick
 # The tiny random model's next-token distribution is nearly flat over 4096 codes, so with the default top_p
@@ -287,13 +283,12 @@ def _perf_analyzer() -> tuple[str, dict[str, str]] | None:
 
 def test_perf_analyzer_streams_against_the_ensemble(server, tmp_path):
     found = _perf_analyzer()
-    if found is None:
-        pytest.skip("perf_analyzer not installed (it ships in tritonclient==2.51.0's wheel)")
+    assert found is not None, "perf_analyzer not installed (it ships in tritonclient==2.51.0's wheel)"
     pa, env = found
     probe = subprocess.run([pa], env=env, capture_output=True, text=True)
-    if "error while loading shared libraries" in probe.stderr:
-        pytest.skip(f"perf_analyzer cannot run: {probe.stderr.strip()} (apt-get install libb64-0d; "
-                    "pip install nvidia-cuda-runtime-cu12)")
+    assert "error while loading shared libraries" not in probe.stderr, (
+        f"perf_analyzer cannot run: {probe.stderr.strip()} (apt-get install libb64-0d; "
+        "pip install nvidia-cuda-runtime-cu12)")
     data = ROOT / "perf" / "data" / "pa_orpheus_max256.json"
     if not data.is_file():  # written by perf/data/make_inputs.py; fall back to a small one of our own
         data = tmp_path / "input.json"

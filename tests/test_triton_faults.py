@@ -17,16 +17,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-pytest.importorskip("tritonclient.grpc")
 
 from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
-from voxbackend.triton.server import TritonServer, find_tritonserver  # noqa: E402
+from voxbackend.triton.server import TritonServer  # noqa: E402
 
-try:
-    find_tritonserver()
-except FileNotFoundError as e:  # pragma: no cover
-    pytest.skip(f"no tritonserver: {e}", allow_module_level=True)
 
 FAKE = {
     "checkpoint": "unused",  # the fake ignores it; a non-empty value skips building the default checkpoint
