@@ -13,3 +13,11 @@ def tiny_orpheus(tmp_path_factory):
     from voxbackend.tools.tiny_checkpoint import write_default
 
     return write_default(tmp_path_factory.mktemp("tiny_orpheus"), seed=0, size="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_csm(tmp_path_factory):
+    """A tiny random CSM-1B-architecture checkpoint (HF layout, Mimi inside), seed 0."""
+    from voxbackend.tools.tiny_csm import write_tiny_csm
+
+    return write_tiny_csm(tmp_path_factory.mktemp("tiny_csm"), seed=0)

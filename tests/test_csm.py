@@ -16,13 +16,6 @@ GREEDY = dict(do_sample=False, depth_decoder_do_sample=False)
 
 
 @pytest.fixture(scope="module")
-def tiny_csm(tmp_path_factory):
-    from voxbackend.tools.tiny_csm import write_tiny_csm
-
-    return write_tiny_csm(tmp_path_factory.mktemp("tiny_csm"), seed=0)
-
-
-@pytest.fixture(scope="module")
 def ref(tiny_csm):
     return transformers.CsmForConditionalGeneration.from_pretrained(str(tiny_csm)).eval()
 

@@ -28,13 +28,6 @@ def ref_mimi(tiny_mimi):
 
 
 @pytest.fixture(scope="module")
-def tiny_csm(tmp_path_factory):
-    from voxbackend.tools.tiny_csm import write_tiny_csm
-
-    return write_tiny_csm(tmp_path_factory.mktemp("tiny_csm"), seed=0)
-
-
-@pytest.fixture(scope="module")
 def csm(tiny_csm):
     from voxbackend.models.csm import Csm
 

@@ -24,7 +24,6 @@ them back after the step.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from voxbackend.codecs.mimi_weights import codebook_tables, frame_size, read_codec_config, read_codec_tensors
+from voxbackend.codecs.mimi_weights import (
+    codebook_tables, flat_names, frame_size, read_codec_config, read_codec_tensors,
+)
 
 
 @dataclass
@@ -284,7 +285,7 @@ class MimiDecoder(nn.Module):
         return model.to(device=device, dtype=dtype).eval()
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        w = {_flat_name(k): v for k, v in weights.items()}
+        w = flat_names(weights)
         own: dict[str, torch.Tensor] = {"codebooks": torch.cat(codebook_tables(w, self.num_semantic, self.num_codebooks))}
         for part in ("semantic", "acoustic"):
             if isinstance(getattr(self, f"{part}_proj"), nn.Linear):
@@ -329,17 +330,3 @@ class MimiDecoder(nn.Module):
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """All frames at once from a fresh state: [B, K, T] -> [B, channels, T * frame_size]."""
         return self.decode_chunk(codes, [self.new_state() for _ in range(codes.shape[0])])
-
-
-_RENAMES = [  # newer transformers save MimiModel's halves nested; map back to the flat kyutai/mimi names
-    (re.compile(r"^decoder\.decoder_seanet\.layers\."), "decoder.layers."),
-    (re.compile(r"^decoder\.decoder\.layers\."), "decoder.layers."),
-    (re.compile(r"^decoder\.decoder_transformer\."), "decoder_transformer."),
-    (re.compile(r"^decoder\.upsample\."), "upsample."),
-]
-
-
-def _flat_name(name: str) -> str:
-    for pat, rep in _RENAMES:
-        name = pat.sub(rep, name)
-    return name

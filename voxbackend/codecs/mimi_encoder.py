@@ -15,7 +15,6 @@ stride-s conv maps L steps to ceil(L / s). SEANet convs pad with zeros, the down
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 
 import torch
@@ -23,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from voxbackend.codecs.mimi import MLP, LayerScale, _rotate
-from voxbackend.codecs.mimi_weights import codebook_tables, frame_size, read_codec_config, read_codec_tensors
+from voxbackend.codecs.mimi_weights import (
+    codebook_tables, flat_names, frame_size, read_codec_config, read_codec_tensors,
+)
 
 
 class Conv(nn.Module):
@@ -174,7 +175,7 @@ class MimiEncoder(nn.Module):
         return model
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        w = {_flat_name(k): v for k, v in weights.items()}
+        w = flat_names(weights)
         own: dict[str, torch.Tensor] = {"codebooks": torch.stack(codebook_tables(w, self.num_semantic, self.num_codebooks))}
         for part in ("semantic", "acoustic"):
             if getattr(self, f"{part}_proj") is not None:
@@ -215,16 +216,3 @@ class MimiEncoder(nn.Module):
                 r = r - book[idx]
                 codes.append(idx.view(B, T))
         return torch.stack(codes, dim=1)
-
-
-_RENAMES = [  # newer transformers nest MimiModel's encoder half; map back to the flat kyutai/mimi names
-    (re.compile(r"^encoder\.encoder(_seanet)?\.layers\."), "encoder.layers."),
-    (re.compile(r"^encoder\.encoder_transformer\."), "encoder_transformer."),
-    (re.compile(r"^encoder\.downsample\."), "downsample."),
-]
-
-
-def _flat_name(name: str) -> str:
-    for pat, rep in _RENAMES:
-        name = pat.sub(rep, name)
-    return name

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -39,3 +40,24 @@ def codebook_tables(w: dict[str, torch.Tensor], num_semantic: int, num_codebooks
             cb = f"quantizer.{part}_residual_vector_quantizer.layers.{i}.codebook."
             books.append(w[cb + "embed_sum"].float() / w[cb + "cluster_usage"].float().clamp(min=1e-5)[:, None])
     return books
+
+
+# Newer transformers save MimiModel's encoder and decoder halves nested; map back to the flat kyutai/mimi names.
+_RENAMES = [
+    (re.compile(r"^encoder\.encoder(_seanet)?\.layers\."), "encoder.layers."),
+    (re.compile(r"^encoder\.encoder_transformer\."), "encoder_transformer."),
+    (re.compile(r"^encoder\.downsample\."), "downsample."),
+    (re.compile(r"^decoder\.decoder(_seanet)?\.layers\."), "decoder.layers."),
+    (re.compile(r"^decoder\.decoder_transformer\."), "decoder_transformer."),
+    (re.compile(r"^decoder\.upsample\."), "upsample."),
+]
+
+
+def flat_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same tensors under the flat kyutai/mimi names, whichever layout they were saved in."""
+    out = {}
+    for name, tensor in weights.items():
+        for pattern, replacement in _RENAMES:
+            name = pattern.sub(replacement, name)
+        out[name] = tensor
+    return out
