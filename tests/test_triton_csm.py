@@ -25,7 +25,7 @@ import tritonclient.grpc as tritonclient  # noqa: E402
 
 from clients.tts_stream import StreamOutcome, context_fields, make_inputs, stream_request  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
-from voxbackend.triton.server import TritonServer  # noqa: E402
+from tests.triton_util import serve  # noqa: E402
 
 
 FOLDERS = ("csm", "csm_engine", "csm_preprocess", configs.POSTPROCESS)
@@ -97,14 +97,7 @@ def server(tmp_path_factory, cache_dir):
     repo = tmp_path_factory.mktemp("repo")
     for name in FOLDERS:
         shutil.copytree(configs.DEFAULT_REPOSITORY / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
-    srv = TritonServer(repo, env={"VOXBACKEND_CACHE": str(cache_dir)}, log_file=log)
-    srv.start(timeout=300)
-    yield srv
-    t0 = time.monotonic()
-    code = srv.stop()
-    assert code == 0, f"tritonserver exited with {code}:\n{srv.log_tail()}"
-    assert time.monotonic() - t0 < 20, "tritonserver took too long to stop (a stream left open?)"
+    yield from serve(repo, tmp_path_factory.mktemp("triton"), {"VOXBACKEND_CACHE": str(cache_dir)})
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ import tritonclient.grpc as tritonclient  # noqa: E402
 
 from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
-from voxbackend.triton.server import TritonServer  # noqa: E402
+from tests.triton_util import serve  # noqa: E402
 
 
 MAX_TOKENS = 63  # 9 Orpheus frames: a handful of chunks per stream keeps 2-core runs quick
@@ -55,14 +55,7 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, cache_dir):
-    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
-    srv = TritonServer(configs.DEFAULT_REPOSITORY, env={"VOXBACKEND_CACHE": str(cache_dir)}, log_file=log)
-    srv.start(timeout=300)
-    yield srv
-    t0 = time.monotonic()
-    code = srv.stop()
-    assert code == 0, f"tritonserver exited with {code}:\n{srv.log_tail()}"
-    assert time.monotonic() - t0 < 20, "tritonserver took too long to stop (a stream left open?)"
+    yield from serve(configs.DEFAULT_REPOSITORY, tmp_path_factory.mktemp("triton"), {"VOXBACKEND_CACHE": str(cache_dir)})
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
-from voxbackend.triton.server import TritonServer  # noqa: E402
+from tests.triton_util import serve  # noqa: E402
 
 
 FAKE = {
@@ -35,14 +35,9 @@ FAKE = {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = configs.write_repository(tmp_path_factory.mktemp("repo") / "model_repository", FAKE, models=["orpheus"])
-    srv = TritonServer(repo, log_file=tmp_path_factory.mktemp("triton") / "tritonserver.log")
-    srv.start(timeout=300)
-    yield srv
-    t0 = time.monotonic()
-    srv.stop()
     # Triton 2.51 keeps an ensemble request whose decoupled step failed mid-stream counted as in flight, so
     # after the engine-death test the server waits out its exit timeout (15 s, set by the launcher)
-    assert time.monotonic() - t0 < 30, "tritonserver did not stop"
+    yield from serve(repo, tmp_path_factory.mktemp("triton"), stop_within_s=30, clean_exit=False)
 
 
 def metric(server, name: str) -> float:
