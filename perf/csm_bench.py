@@ -142,8 +142,8 @@ def run(args, prompts: list[str], dataset: str, log) -> Path:
     md = [
         "# engine_bench --model csm: engine vs naive CSM on CPU", "",
         *provenance.markdown_lines(info),
-        f"- model: tiny random CSM-1B architecture (backbone hidden 64 x 2 layers, depth 32 x 2, 32 Mimi codebooks, "
-        f"tiny Mimi), random weights, seed 0 (voxbackend.tools.tiny_csm)",
+        "- model: tiny random CSM-1B architecture (backbone hidden 64 x 2 layers, depth 32 x 2, 32 Mimi codebooks, "
+        "tiny Mimi), random weights, seed 0 (voxbackend.tools.tiny_csm)",
         f"- dataset: {dataset}; request i: sentence i, speaker i % 2, seed {args.seed} + i; {frames} frames "
         f"({frames * FRAME_S:.2f} s) max per request; sampling temperature 0.9, top_k 50 (backbone and depth)",
         "- arrivals: a burst of N requests at t=0 (closed loop); engine policy " + args.policy,

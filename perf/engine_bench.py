@@ -211,7 +211,7 @@ def request_spec(i: int, prompts: list[str], seed: int) -> tuple[str, str, int]:
     return prompts[i % len(prompts)], VOICES[i % len(VOICES)], seed + i
 
 
-def run_naive_one(naive, i: int, prompts, seed: int, max_tokens: int, out_tokens: dict) -> ReqResult:
+def run_naive_one(naive, i: int, prompts, seed: int, max_tokens: int) -> ReqResult:
     text, voice, s = request_spec(i, prompts, seed)
     t0 = time.perf_counter()
     times, lens = [], []
@@ -219,24 +219,9 @@ def run_naive_one(naive, i: int, prompts, seed: int, max_tokens: int, out_tokens
         times.append(time.perf_counter() - t0)
         lens.append(len(chunk) / SAMPLE_RATE)
     service = time.perf_counter() - t0
-    tokens = out_tokens.pop("n", 0)
+    tokens = naive.generated_tokens
     return ReqResult(i, times[0] if times else None, service, sum(lens), tokens, times, lens,
                      "length" if tokens >= max_tokens else "stop")
-
-
-def count_naive_tokens(naive) -> dict:
-    """Wrap generate() to record how many tokens each request generated (the stop token included)."""
-    box: dict = {}
-    original = naive.model.generate
-
-    def generate(*args, **kwargs):
-        out = original(*args, **kwargs)
-        prompt = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-        box["n"] = int(out.shape[1] - prompt.shape[1])
-        return out
-
-    naive.model.generate = generate
-    return box
 
 
 def run_engine_burst(engine, indices: list[int], prompts, seed: int, max_tokens: int) -> tuple[float, list[ReqResult]]:
@@ -485,7 +470,6 @@ def main(argv: list[str] | None = None) -> Path:
     from naive_orpheus import NaiveOrpheus, orpheus_prompt_ids
 
     naive = NaiveOrpheus(model_dir, codec_dir)
-    naive_tokens = count_naive_tokens(naive)
     n_max = max(args.stream_counts)
     # enough KV pages for every request of the largest burst at once, so admission never makes one wait
     page = 16
@@ -505,7 +489,6 @@ def main(argv: list[str] | None = None) -> Path:
     warm = SamplingParams(max_tokens=35, seed=12345, **OFFICIAL)
     for _ in naive.stream(prompts[0], voice="tara", max_tokens=35, seed=12345):
         pass
-    naive_tokens.clear()
     w_done = threading.Event()
     engine.submit(engine.model.prepare(prompts[0], "tara"), warm, lambda e: e.final and w_done.set())
     w_done.wait()
@@ -527,7 +510,7 @@ def main(argv: list[str] | None = None) -> Path:
             nonlocal naive_wall
             for i in indices:
                 log(f"streams={n}: naive request {i}")
-                r = run_naive_one(naive, i, prompts, args.seed, args.max_tokens, naive_tokens)
+                r = run_naive_one(naive, i, prompts, args.seed, args.max_tokens)
                 served.append(r)
                 naive_wall += r.service
 

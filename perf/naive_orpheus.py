@@ -74,6 +74,7 @@ class NaiveOrpheus:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(self.device).eval()
         self.snac = SNAC.from_pretrained(str(codec_dir)).to(self.device).eval()
+        self.generated_tokens = 0  # LM tokens of the last finished stream (stop token included)
 
     def _decode_window(self, codes: list[int]) -> np.ndarray | None:
         layers = [c.to(self.device) for c in frames_to_snac_codes(codes)]
@@ -90,6 +91,7 @@ class NaiveOrpheus:
         from transformers.generation.streamers import BaseStreamer
 
         prompt = orpheus_prompt_ids(self.tokenizer, text, voice)
+        self.generated_tokens = 0
         input_ids = torch.tensor([prompt], device=self.device)
         chunks: queue.Queue = queue.Queue()
         done = object()
@@ -128,7 +130,7 @@ class NaiveOrpheus:
                 if seed is not None:
                     torch.manual_seed(seed)
                 with torch.inference_mode():
-                    self.model.generate(
+                    out = self.model.generate(
                         input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
                         temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,  # applied by our list
                         logits_processor=_processors(len(prompt), temperature, top_p, repetition_penalty,
@@ -136,6 +138,7 @@ class NaiveOrpheus:
                         stopping_criteria=StoppingCriteriaList([Cancelled()]),
                         max_new_tokens=max_tokens, eos_token_id=STOP_ID, pad_token_id=STOP_ID,
                         streamer=AudioStreamer())
+                self.generated_tokens = out.shape[1] - len(prompt)
                 chunks.put(done)
             except BaseException as e:  # hand the failure to the consumer
                 chunks.put(e)

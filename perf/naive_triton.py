@@ -87,7 +87,6 @@ def worker_main(model_dir: str, codec_dir: str, device: str) -> int:
     from naive_orpheus import NaiveOrpheus
 
     naive = NaiveOrpheus(model_dir, codec_dir, device=device)
-    generated = _count_tokens(naive)
     jobs: queue.Queue = queue.Queue()
     cancel = threading.Event()
 
@@ -107,7 +106,6 @@ def worker_main(model_dir: str, codec_dir: str, device: str) -> int:
     write({"type": "ready"})
     while (job := jobs.get()) is not None:
         cancel.clear()
-        generated.pop("n", None)
         reason = None
         try:
             stream = naive.stream(job["text"], voice=job["voice"], **job["sampling"])
@@ -121,26 +119,11 @@ def worker_main(model_dir: str, codec_dir: str, device: str) -> int:
             finally:
                 stream.close()  # sets generate()'s cancel flag and joins it
             if reason is None:
-                reason = "length" if generated.get("n", 0) >= job["sampling"]["max_tokens"] else "stop"
+                reason = "length" if naive.generated_tokens >= job["sampling"]["max_tokens"] else "stop"
             write({"type": "done", "reason": reason})
         except Exception as e:  # noqa: BLE001 - one bad request must not end the worker
             write({"type": "error", "message": f"{type(e).__name__}: {e}"})
     return 0
-
-
-def _count_tokens(naive) -> dict:
-    """generate() does not say whether it stopped or hit max_tokens; record its output length per call."""
-    box: dict = {}
-    original = naive.model.generate
-
-    def generate(*args, **kwargs):
-        result = original(*args, **kwargs)
-        prompt = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-        box["n"] = int(result.shape[1] - prompt.shape[1])
-        return result
-
-    naive.model.generate = generate
-    return box
 
 
 class WorkerProcess:
