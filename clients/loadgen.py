@@ -342,6 +342,8 @@ def parse_rates(s: str) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from clients.tts_stream import add_request_args, context_fields, sampling_fields
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address")
     ap.add_argument("--model", default="orpheus")
@@ -353,25 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-requests", type=int, default=None, help="cap per rate")
     ap.add_argument("--request-timeout", type=float, default=120.0, help="s after the last send")
     ap.add_argument("--pool-size", type=int, default=None, help="streams opened before the clock starts")
-    ap.add_argument("--voice", default=None, help="orpheus")
-    ap.add_argument("--speaker", type=int, default=None, help="csm: speaker id (0-9)")
-    ap.add_argument("--context-text", action="append", default=[], help="csm: context segment text (repeat)")
-    ap.add_argument("--context-audio", action="append", default=[], help="csm: context segment audio file (repeat)")
-    ap.add_argument("--context-speaker", action="append", type=int, default=[],
-                    help="csm: context segment speaker (repeat; default --speaker or 0)")
-    ap.add_argument("--temperature", type=float, default=None)
-    ap.add_argument("--top-p", type=float, default=None)
-    ap.add_argument("--top-k", type=int, default=None)
-    ap.add_argument("--min-p", type=float, default=None)
-    ap.add_argument("--repetition-penalty", type=float, default=None)
-    ap.add_argument("--max-tokens", type=int, default=None)
+    add_request_args(ap)
     ap.add_argument("--sampling-seed", type=int, default=None, help="request i gets SEED = this + i")
     ap.add_argument("--audio-format", default=None, choices=["pcm16", "fp32"])
     ap.add_argument("--out", default="loadgen.json", help="JSON output; a .md table is written next to it")
     a = ap.parse_args(argv)
-
-    from clients.tts_stream import context_fields
-
     try:
         context = context_fields(a.context_text, a.context_audio, a.context_speaker, a.speaker or 0)
     except (ValueError, OSError) as e:
@@ -379,8 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = RequestOptions(
         voice=a.voice, speaker=a.speaker, context=context, max_tokens=a.max_tokens, sampling_seed=a.sampling_seed,
         audio_format=a.audio_format,
-        sampling={"TEMPERATURE": a.temperature, "TOP_P": a.top_p, "TOP_K": a.top_k, "MIN_P": a.min_p,
-                  "REPETITION_PENALTY": a.repetition_penalty})
+        sampling=sampling_fields(a))
     prompts = load_prompts(a.prompts)
     runs, summaries = [], {}
     for rate in parse_rates(a.rates):

@@ -236,11 +236,8 @@ def report(out: StreamOutcome) -> str:
             f"(audio s / wall s) | finish {out.finish_reason or out.error}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address")
-    ap.add_argument("--model", default="orpheus", help="orpheus or csm (ensembles), or orpheus_engine / csm_engine")
-    ap.add_argument("--text", default="Hello there, this is a streaming speech server.")
+def add_request_args(ap: argparse.ArgumentParser) -> None:
+    """The per-request flags both clients take: voice / speaker / context and the sampling fields."""
     ap.add_argument("--voice", default=None, help="orpheus: one of its voices")
     ap.add_argument("--speaker", type=int, default=None, help="csm: speaker id of TEXT (0-9)")
     ap.add_argument("--context-text", action="append", default=[], help="csm: a context segment's text (repeat)")
@@ -248,13 +245,27 @@ def main(argv: list[str] | None = None) -> int:
                     help="csm: a context segment's audio file, WAV/FLAC/OGG at any rate (repeat, one per text)")
     ap.add_argument("--context-speaker", action="append", type=int, default=[],
                     help="csm: a context segment's speaker (repeat; default: --speaker or 0 for each)")
-    ap.add_argument("--format", default="pcm16", choices=("pcm16", "fp32"), help="AUDIO_FORMAT (ensemble)")
     ap.add_argument("--temperature", type=float)
     ap.add_argument("--top-p", type=float)
     ap.add_argument("--top-k", type=int)
     ap.add_argument("--min-p", type=float)
     ap.add_argument("--repetition-penalty", type=float)
     ap.add_argument("--max-tokens", type=int)
+
+
+def sampling_fields(a: argparse.Namespace) -> dict[str, float | int | None]:
+    """The sampling flags as request fields (None: the model's default)."""
+    return {"TEMPERATURE": a.temperature, "TOP_P": a.top_p, "TOP_K": a.top_k, "MIN_P": a.min_p,
+            "REPETITION_PENALTY": a.repetition_penalty}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address")
+    ap.add_argument("--model", default="orpheus", help="orpheus or csm (ensembles), or orpheus_engine / csm_engine")
+    ap.add_argument("--text", default="Hello there, this is a streaming speech server.")
+    add_request_args(ap)
+    ap.add_argument("--format", default="pcm16", choices=("pcm16", "fp32"), help="AUDIO_FORMAT (ensemble)")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--out", default="out.wav", help="WAV file to write")
@@ -263,10 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         context = context_fields(a.context_text, a.context_audio, a.context_speaker, a.speaker or 0)
     except (ValueError, OSError) as e:
         ap.error(str(e))
-    inputs = make_inputs(a.text, a.voice, a.format, speaker=a.speaker, context=context,
-                         TEMPERATURE=a.temperature, TOP_P=a.top_p, TOP_K=a.top_k,
-                         MIN_P=a.min_p, REPETITION_PENALTY=a.repetition_penalty, MAX_TOKENS=a.max_tokens,
-                         SEED=a.seed)
+    inputs = make_inputs(a.text, a.voice, a.format, speaker=a.speaker, context=context, **sampling_fields(a),
+                         MAX_TOKENS=a.max_tokens, SEED=a.seed)
     out = stream_request(a.url, a.model, inputs, a.format, a.timeout)
     print(report(out))
     if out.error:
