@@ -98,6 +98,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"server ready on {server.grpc_url}; streaming...", flush=True)
         return subprocess.call([sys.executable, "-m", "clients.tts_stream", "--url", server.grpc_url,
                                 "--model", args.model, "--text", args.text, "--out", str(Path(args.out).resolve()),
+                                "--seed", str(args.seed),
                                 *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])],
                                cwd=configs.REPO_ROOT)
 
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--model", default="orpheus")
     demo.add_argument("--text", default="Hello there, this is a streaming speech server.")
     demo.add_argument("--max-tokens", type=int, default=None)
+    demo.add_argument("--seed", type=int, default=7, help="sampling seed: the same text and seed give the same audio")
     demo.add_argument("--out", default="hello.wav")
     demo.set_defaults(func=cmd_demo, host="127.0.0.1", http_port=0, grpc_port=0, metrics_port=0)
     mk = sub.add_parser("make-checkpoint", help="build or reuse the tiny default checkpoint")
