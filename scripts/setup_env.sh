@@ -12,6 +12,14 @@ fi
 "$VENV/bin/python" -m pip install -q -e ".[test,triton,perf]"
 # the streaming Mimi test oracle; --no-deps because its pins (torch, bitsandbytes, sounddevice...) are not ours
 "$VENV/bin/python" -m pip install -q --no-deps "moshi==0.2.13"
+# the CosyVoice2 flow + HiFT oracles, each in its own folder that only tests/cosyvoice_oracle.py puts on sys.path:
+# they declare torchaudio (which would replace our torch) and install top-level `cosyvoice`, `matcha`, `utils`,
+# `token2wav` modules that must stay out of the server's environment
+for oracle in cosyvoice:cosyvoice-minicpmo==0.1.0 step_audio2:step-audio2==1.0.0 scipy:scipy==1.15.3; do
+  if [ ! -d "$VENV/oracles/${oracle%%:*}" ]; then
+    "$VENV/bin/python" -m pip install -q --no-deps --target "$VENV/oracles/${oracle%%:*}" "${oracle#*:}"
+  fi
+done
 # perf_analyzer (inside the tritonclient 2.51.0 wheel) links against libb64
 if ! ldconfig -p 2>/dev/null | grep -q libb64.so.0d; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

@@ -1,0 +1,264 @@
+"""CosyVoice2 detokenizer (flow matching + HiFT) parity, on tiny random weights written by
+voxbackend.tools.tiny_cosyvoice2_codec and loaded, unchanged, by our code and by the oracles:
+
+- upstream CosyVoice (`cosyvoice-minicpmo`): its CosyVoice2Model drives its own streaming (`tts(stream=True)`:
+  windows, hop + prompt pad, flow re-encoding, HiFT mel/source/speech cache, cross-fade, flush) and its
+  non-streaming path, one request at a time;
+- step-audio2's flashcosyvoice: an independent, batched flow + HiFT on the same state dicts.
+
+Ours runs several requests at once, of different ages and prompts, batched in one flow call per step. The HiFT
+excitation noise is the only randomness: both sides draw it from the same seed, request by request.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from cosyvoice_oracle import load_cosyvoice, load_flashcosyvoice
+from voxbackend.codecs.flow_matching import FlowRow
+from voxbackend.codecs.token2wav import Token2Wav, load_token2wav
+from voxbackend.errors import InvalidRequest
+from voxbackend.tools.tiny_cosyvoice2_codec import write_tiny_codec
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # the tiny model is latency bound; extra threads only contend on a shared CPU
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_codec(tmp_path_factory.mktemp("tiny_cosyvoice2"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def ours(ckpt) -> Token2Wav:
+    return load_token2wav(ckpt)
+
+
+def upstream_modules(cv, cfg):
+    """The upstream flow and HiFT built from our config, the way cosyvoice2.yaml builds them."""
+    from omegaconf import DictConfig
+    enc, est, h = cfg.flow.encoder, cfg.flow.estimator, cfg.hift
+    encoder = cv.encoder.UpsampleConformerEncoder(
+        input_size=enc.size, output_size=enc.size, attention_heads=enc.heads, linear_units=enc.linear_units,
+        num_blocks=enc.num_blocks, dropout_rate=0.1, positional_dropout_rate=0.1, attention_dropout_rate=0.1,
+        normalize_before=True, input_layer="linear", pos_enc_layer_type="rel_pos_espnet",
+        selfattention_layer_type="rel_selfattn", use_cnn_module=False, macaron_style=False,
+        static_chunk_size=enc.chunk_size)
+    estimator = cv.decoder.CausalConditionalDecoder(
+        in_channels=est.in_channels, out_channels=est.out_channels, channels=list(est.channels), dropout=0.0,
+        attention_head_dim=est.attention_head_dim, n_blocks=est.n_blocks, num_mid_blocks=est.num_mid_blocks,
+        num_heads=est.num_heads, act_fn="gelu", static_chunk_size=est.chunk_size, num_decoding_left_chunks=-1)
+    cfm = cv.flow_matching.CausalConditionalCFM(
+        in_channels=240, n_spks=1, spk_emb_dim=80, estimator=estimator,
+        cfm_params=DictConfig({"sigma_min": 1e-06, "solver": "euler", "t_scheduler": "cosine",
+                               "training_cfg_rate": 0.2, "inference_cfg_rate": cfg.flow.cfg_rate, "reg_loss_type": "l1"}))
+    flow = cv.flow.CausalMaskedDiffWithXvec(
+        input_size=enc.size, output_size=cfg.flow.mel_bins, spk_embed_dim=cfg.flow.spk_embed_dim, output_type="mel",
+        vocab_size=cfg.flow.vocab_size, input_frame_rate=25, only_mask_loss=True, token_mel_ratio=enc.upsample,
+        pre_lookahead_len=enc.pre_lookahead_len, encoder=encoder, decoder=cfm)
+    hift = cv.hift.HiFTGenerator(
+        in_channels=h.mel_bins, base_channels=h.base_channels, nb_harmonics=h.nb_harmonics,
+        sampling_rate=h.sampling_rate, nsf_alpha=h.nsf_alpha, nsf_sigma=h.nsf_sigma,
+        nsf_voiced_threshold=h.nsf_voiced_threshold, upsample_rates=list(h.upsample_rates),
+        upsample_kernel_sizes=list(h.upsample_kernel_sizes), istft_params={"n_fft": h.n_fft, "hop_len": h.hop_len},
+        resblock_kernel_sizes=list(h.resblock_kernel_sizes),
+        resblock_dilation_sizes=[list(d) for d in h.resblock_dilation_sizes],
+        source_resblock_kernel_sizes=list(h.source_resblock_kernel_sizes),
+        source_resblock_dilation_sizes=[list(d) for d in h.source_resblock_dilation_sizes],
+        lrelu_slope=h.lrelu_slope, audio_limit=h.audio_limit,
+        f0_predictor=cv.f0.ConvRNNF0Predictor(num_class=1, in_channels=h.mel_bins, cond_channels=h.f0_channels))
+    return flow, hift
+
+
+@pytest.fixture(scope="module")
+def upstream(ckpt, ours):
+    cv = load_cosyvoice()
+    with torch.random.fork_rng():
+        flow, hift = upstream_modules(cv, ours.cfg)
+    model = cv.model.CosyVoice2Model(None, flow, hift, fp16=False)
+    model.load(None, str(ckpt / "flow.pt"), str(ckpt / "hift.pt"))   # strict=True: our names are theirs
+    return model
+
+
+def make_request(seed: int, prompt_len: int, n_tokens: int, vocab: int):
+    g = torch.Generator().manual_seed(seed)
+    return dict(prompt_tokens=torch.randint(0, vocab, (prompt_len,), generator=g),
+                prompt_feat=torch.randn(2 * prompt_len, 80, generator=g),
+                embedding=torch.randn(192, generator=g),
+                tokens=torch.randint(0, vocab, (n_tokens,), generator=g),
+                seed=1000 + seed)
+
+
+def upstream_chunks(model, req, stream: bool, hop: int = 25) -> list[torch.Tensor]:
+    model.token_hop_len = hop
+    with torch.random.fork_rng():
+        torch.manual_seed(req["seed"])      # the HiFT excitation noise is the oracle's only draw from torch's RNG
+        out = model.tts(source_speech_token=req["tokens"][None].int(),
+                        flow_prompt_speech_token=req["prompt_tokens"][None].int(),
+                        prompt_speech_feat=req["prompt_feat"][None], flow_embedding=req["embedding"][None],
+                        stream=stream)
+        return [chunk["tts_speech"][0] for chunk in out]
+
+
+def assert_chunks_equal(got: list[torch.Tensor], want: list[torch.Tensor]):
+    assert [len(c) for c in got] == [len(c) for c in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
+
+
+def test_audio_is_a_real_signal(ours):
+    """Guards the parity tests below against a degenerate tiny model (silent, or clipped everywhere)."""
+    req = make_request(1, 6, 40, ours.cfg.flow.vocab_size)
+    audio = ours.decode_utterance(req["prompt_tokens"], req["prompt_feat"], req["embedding"], req["tokens"], seed=1)
+    assert audio.shape == (40 * 960,)
+    assert 0.01 < audio.std() < 0.5
+    assert (audio.abs() >= ours.cfg.hift.audio_limit).float().mean() < 0.01
+    f0 = ours.hift.f0_predictor(torch.randn(1, 80, 200, generator=torch.Generator().manual_seed(0)))
+    voiced = (f0 > ours.cfg.hift.nsf_voiced_threshold).float().mean()
+    assert 0.05 < voiced < 0.95, "the tiny f0 predictor should give voiced and unvoiced frames"
+
+
+def test_whole_utterance_equals_upstream_non_streaming(ours, upstream):
+    for seed, prompt_len, n in ((2, 9, 37), (3, 0, 20)):
+        req = make_request(seed, prompt_len, n, ours.cfg.flow.vocab_size)
+        want = upstream_chunks(upstream, req, stream=False)
+        got = ours.decode_utterance(req["prompt_tokens"], req["prompt_feat"], req["embedding"], req["tokens"],
+                                    seed=req["seed"])
+        assert_chunks_equal([got], want)
+
+
+def run_streams(codec: Token2Wav, reqs, starts, rates) -> list[list[torch.Tensor]]:
+    """A simulated LM: request i starts at step starts[i] and produces rates[i] tokens a step; every step, each
+    stream with a window due joins one batched decode."""
+    streams = [codec.new_stream(r["prompt_tokens"], r["prompt_feat"], r["embedding"], seed=r["seed"]) for r in reqs]
+    chunks: list[list[torch.Tensor]] = [[] for _ in reqs]
+    step, batch_sizes = 0, []
+    while not all(s.done for s in streams):
+        for i, (r, s) in enumerate(zip(reqs, streams)):
+            if step >= starts[i] and not s.ended:
+                k = (step - starts[i]) * rates[i]
+                s.push(r["tokens"][k:k + rates[i]].tolist())
+                if k + rates[i] >= len(r["tokens"]):
+                    s.end()
+        due = [i for i, s in enumerate(streams) if codec.window_due(s)]
+        if due:
+            batch_sizes.append(len(due))
+            for i, audio in zip(due, codec.decode([streams[i] for i in due])):
+                chunks[i].append(audio)
+        step += 1
+    assert max(batch_sizes) > 1, "the schedule should have batched windows of different requests"
+    return chunks
+
+
+@pytest.mark.parametrize("hop", [25, 12])
+def test_streaming_batched_equals_upstream_streaming(ckpt, upstream, hop):
+    from dataclasses import replace
+    codec = load_token2wav(ckpt)
+    codec = Token2Wav(replace(codec.cfg, stream=replace(codec.cfg.stream, hop_tokens=hop)), codec.flow, codec.hift)
+    vocab = codec.cfg.flow.vocab_size
+    # Prompts of different lengths give different first-window pads. The oracle gets all tokens at once (its
+    # voice-conversion path), so its input has ended before its first window, which matters when a padded first
+    # window leaves between hop + 3 and first hop + 3 tokens (it flushes them at once): the third request is
+    # such a case and, like the oracle's, arrives whole; the others stream in, 7 tokens a step, and leave more.
+    first = hop + (-7) % hop                    # first hop of a 7-token prompt
+    reqs = [make_request(10, 7, 2 * first + 3 + 2, vocab), make_request(11, 0, 2 * hop + 5, vocab),
+            make_request(12, 13, 3 * hop + 1, vocab)]
+    got = run_streams(codec, reqs, starts=[0, 2, 3], rates=[7, 7, 1000])
+    for req, chunks in zip(reqs, got):
+        want = upstream_chunks(upstream, req, stream=True, hop=hop)
+        assert len(want) > 1
+        assert_chunks_equal(chunks, want)
+
+
+def test_first_window_size_is_a_parameter(ours):
+    req = make_request(20, 7, 30, ours.cfg.flow.vocab_size)
+    default = ours.new_stream(req["prompt_tokens"], req["prompt_feat"], req["embedding"])
+    assert default.first_hop == 25 + 18          # prompt 7 + 43 tokens = 2 chunks of 25
+    early = ours.new_stream(req["prompt_tokens"], req["prompt_feat"], req["embedding"], first_hop_tokens=5)
+    early.push(req["tokens"][:8].tolist())
+    assert ours.window_due(early) == "window"    # 5 tokens + 3 lookahead
+    assert len(ours.decode([early])[0]) == 5 * 960 - 8 * 480   # the HiFT overlap waits for the next window
+    with pytest.raises(InvalidRequest) as err:
+        ours.new_stream(req["prompt_tokens"], req["prompt_feat"], req["embedding"], first_hop_tokens=3)
+    assert err.value.field == "first_hop_tokens"
+    with pytest.raises(InvalidRequest) as err:
+        ours.new_stream(req["prompt_tokens"], req["prompt_feat"][:-1], req["embedding"])
+    assert err.value.field == "prompt_feat"
+
+
+# ---- step-audio2's flashcosyvoice: an independent implementation on the same weights --------------------------
+
+@contextlib.contextmanager
+def fixed_flow_noise(noise: torch.Tensor):
+    """flashcosyvoice draws its flow noise with randn_like; give it the fixed buffer the reference uses."""
+    original = torch.randn_like
+    torch.randn_like = lambda x, **kw: noise[:, :, :x.size(2)].expand(x.size(0), -1, -1).clone().to(x.dtype)
+    try:
+        yield
+    finally:
+        torch.randn_like = original
+
+
+@pytest.fixture(scope="module")
+def flash(ckpt, ours):
+    fc = load_flashcosyvoice()
+    cfg, enc, est, h = ours.cfg, ours.cfg.flow.encoder, ours.cfg.flow.estimator, ours.cfg.hift
+    with torch.random.fork_rng():
+        encoder = fc.encoder.UpsampleConformerEncoder(input_size=enc.size, output_size=enc.size,
+                                                      attention_heads=enc.heads, linear_units=enc.linear_units,
+                                                      num_blocks=enc.num_blocks, static_chunk_size=enc.chunk_size)
+        estimator = fc.estimator.CausalConditionalDecoder(
+            in_channels=est.in_channels, out_channels=est.out_channels, channels=list(est.channels), dropout=0.0,
+            attention_head_dim=est.attention_head_dim, n_blocks=est.n_blocks, num_mid_blocks=est.num_mid_blocks,
+            num_heads=est.num_heads, act_fn="gelu", static_chunk_size=est.chunk_size, num_decoding_left_chunks=-1)
+        flow = fc.flow.CausalMaskedDiffWithXvec(
+            input_size=enc.size, output_size=cfg.flow.mel_bins, spk_embed_dim=cfg.flow.spk_embed_dim,
+            vocab_size=cfg.flow.vocab_size, encoder=encoder,
+            decoder=fc.flow.CausalConditionalCFM(estimator=estimator))
+        hift = fc.hift.HiFTGenerator(
+            in_channels=h.mel_bins, base_channels=h.base_channels, nb_harmonics=h.nb_harmonics,
+            sampling_rate=h.sampling_rate, f0_predictor=fc.hift.ConvRNNF0Predictor(cond_channels=h.f0_channels))
+    flow.load_state_dict(torch.load(ckpt / "flow.pt"), strict=True)
+    hift.load_state_dict(torch.load(ckpt / "hift.pt"), strict=True)
+    return flow.eval(), hift.eval()
+
+
+@pytest.mark.parametrize("finalize", [True, False])
+def test_flow_batch_equals_flashcosyvoice(ours, flash, finalize):
+    flow, _ = flash
+    vocab = ours.cfg.flow.vocab_size
+    # equal prompt + token lengths: flashcosyvoice splits the lookahead off the padded batch's last columns
+    reqs = [make_request(30, 6, 40, vocab), make_request(31, 6, 40, vocab)]
+    rows = [FlowRow(torch.cat([r["prompt_tokens"], r["tokens"]]), r["prompt_feat"], r["embedding"],
+                    finalize=finalize, streaming=not finalize) for r in reqs]
+    got = ours.flow(rows)
+    tokens = torch.stack([row.tokens for row in rows])
+    with fixed_flow_noise(ours.flow.noise):
+        want, lengths = flow(tokens, torch.tensor([tokens.size(1)] * 2), torch.stack([r["prompt_feat"] for r in reqs]),
+                             torch.tensor([12, 12]), torch.stack([r["embedding"] for r in reqs]),
+                             streaming=not finalize, finalize=finalize)
+    for i, g in enumerate(got):
+        torch.testing.assert_close(g, want[i, :, 12:int(lengths[i])], atol=ATOL, rtol=0)
+
+
+def test_hift_with_cache_equals_flashcosyvoice(ours, flash):
+    _, hift = flash
+    g = torch.Generator().manual_seed(40)
+    mel = torch.randn(1, 80, 58, generator=g)
+    cache_source = torch.randn(1, 1, 8 * 480, generator=g) * 0.1
+    with torch.random.fork_rng():
+        torch.manual_seed(41)
+        want, want_source = hift(mel, cache_source)
+    got, got_source = ours.hift(mel, [torch.Generator().manual_seed(41)], [cache_source[0]])
+    torch.testing.assert_close(got_source, want_source, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
