@@ -262,3 +262,22 @@ def test_hift_with_cache_equals_flashcosyvoice(ours, flash):
     got, got_source = ours.hift(mel, [torch.Generator().manual_seed(41)], [cache_source[0]])
     torch.testing.assert_close(got_source, want_source, atol=ATOL, rtol=0)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_checkpoint_layouts_load_alike(ckpt, ours, tmp_path):
+    """safetensors under the same names, legacy weight_g/weight_v pairs and a `generator.` prefix (HiFiGAN-trainer
+    checkpoints) all load to the same weights as flow.pt / hift.pt."""
+    from safetensors.torch import save_file
+    flow = torch.load(ckpt / "flow.pt")
+    hift = {"generator." + k.replace(".parametrizations.weight.original0", ".weight_g")
+            .replace(".parametrizations.weight.original1", ".weight_v"): v.contiguous()
+            for k, v in torch.load(ckpt / "hift.pt").items()}
+    save_file({k: v.contiguous() for k, v in flow.items()}, str(tmp_path / "flow.safetensors"))
+    save_file(hift, str(tmp_path / "hift.safetensors"))
+    (tmp_path / "token2wav.json").write_text((ckpt / "token2wav.json").read_text())
+    other = load_token2wav(tmp_path)
+    for mine, theirs in ((ours.flow, other.flow), (ours.hift, other.hift)):
+        a, b = mine.state_dict(), theirs.state_dict()
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], atol=0, rtol=0, msg=key)

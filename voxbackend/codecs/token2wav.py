@@ -1,5 +1,7 @@
 """Streaming speech-token detokenizer: tokens -> flow matching -> mel -> HiFT -> 24 kHz audio, for the
-CosyVoice2 decoder family (CosyVoice2; Chatterbox and Step-Audio-2 use the same flow + HiFT layout).
+CosyVoice2 decoder family (Chatterbox's S3Gen has the same flow and HiFT; Step-Audio-2 the same HiFT with a DiT
+estimator). `Token2Wav` needs of its flow only `flow(rows: list[FlowRow]) -> list[mel]` and a `cfg` with
+`token_mel_ratio`, `pre_lookahead_len`, `mel_bins` and `spk_embed_dim`.
 
 Each request owns a `DecodeStream` (its prompt, speaker, tokens so far, emitted offset, HiFT cache and noise
 generator); `Token2Wav.decode` takes one window from each of several streams and runs them as one flow batch (the
@@ -124,7 +126,8 @@ class DecodeStream:
 
 class Token2Wav:
     def __init__(self, cfg: Token2WavConfig, flow: FlowMatching, hift: HiFTGenerator):
-        if cfg.stream.hop_tokens * cfg.flow.token_mel_ratio < cfg.stream.mel_cache_frames:
+        """`cfg.stream` and `cfg.hift` apply; the flow brings its own `cfg` (any FlowRow -> mel module)."""
+        if cfg.stream.hop_tokens * flow.cfg.token_mel_ratio < cfg.stream.mel_cache_frames:
             raise ValueError("hop_tokens must cover the HiFT cache")
         self.cfg, self.flow, self.hift = cfg, flow, hift
         overlap = cfg.stream.mel_cache_frames * cfg.hift.samples_per_frame
@@ -137,23 +140,23 @@ class Token2Wav:
     # ---- streams -------------------------------------------------------------------------------------------
     def new_stream(self, prompt_tokens, prompt_feat: torch.Tensor, embedding: torch.Tensor, seed: int = 0,
                    first_hop_tokens: int | None = None, offline: bool = False) -> DecodeStream:
-        cfg = self.cfg
+        cfg, flow = self.cfg, self.flow
         prompt_tokens = torch.as_tensor(prompt_tokens, dtype=torch.long).flatten()
         prompt_feat = torch.as_tensor(prompt_feat, dtype=torch.float32)
-        if prompt_feat.ndim != 2 or prompt_feat.size(1) != cfg.flow.mel_bins:
-            raise InvalidRequest(f"prompt_feat must be (frames, {cfg.flow.mel_bins})", field="prompt_feat")
-        if prompt_feat.size(0) != cfg.flow.token_mel_ratio * prompt_tokens.numel():
+        if prompt_feat.ndim != 2 or prompt_feat.size(1) != flow.cfg.mel_bins:
+            raise InvalidRequest(f"prompt_feat must be (frames, {flow.cfg.mel_bins})", field="prompt_feat")
+        if prompt_feat.size(0) != flow.cfg.token_mel_ratio * prompt_tokens.numel():
             raise InvalidRequest(f"prompt_feat has {prompt_feat.size(0)} frames, expected "
-                                 f"{cfg.flow.token_mel_ratio} per prompt token", field="prompt_feat")
+                                 f"{flow.cfg.token_mel_ratio} per prompt token", field="prompt_feat")
         embedding = torch.as_tensor(embedding, dtype=torch.float32).flatten()
-        if embedding.numel() != cfg.flow.spk_embed_dim:
-            raise InvalidRequest(f"speaker embedding must have {cfg.flow.spk_embed_dim} values", field="embedding")
+        if embedding.numel() != flow.cfg.spk_embed_dim:
+            raise InvalidRequest(f"speaker embedding must have {flow.cfg.spk_embed_dim} values", field="embedding")
         hop = cfg.stream.hop_tokens
         if first_hop_tokens is None:
             first_hop_tokens = cfg.stream.first_hop_tokens
         if first_hop_tokens is None:
             first_hop_tokens = hop + math.ceil(prompt_tokens.numel() / hop) * hop - prompt_tokens.numel()
-        if first_hop_tokens * cfg.flow.token_mel_ratio < cfg.stream.mel_cache_frames:
+        if first_hop_tokens * flow.cfg.token_mel_ratio < cfg.stream.mel_cache_frames:
             raise InvalidRequest("first window is shorter than the HiFT overlap", field="first_hop_tokens")
         return DecodeStream(prompt_tokens, prompt_feat, embedding, torch.Generator().manual_seed(seed),
                             first_hop_tokens, offline)
@@ -167,7 +170,7 @@ class Token2Wav:
             return None
         if stream.flush_next:
             return "final"
-        if not stream.offline and len(stream.tokens) - stream.token_offset >= self.hop(stream) + self.cfg.flow.pre_lookahead_len:
+        if not stream.offline and len(stream.tokens) - stream.token_offset >= self.hop(stream) + self.flow.cfg.pre_lookahead_len:
             return "window"
         return "final" if stream.ended else None
 
@@ -177,7 +180,7 @@ class Token2Wav:
         kinds = [self.window_due(s) for s in streams]
         if None in kinds:
             raise ValueError("decode() got a stream with no window due")
-        ratio, lookahead = self.cfg.flow.token_mel_ratio, self.cfg.flow.pre_lookahead_len
+        ratio, lookahead = self.flow.cfg.token_mel_ratio, self.flow.cfg.pre_lookahead_len
         rows, flow_of = [], {}
         for i, (s, kind) in enumerate(zip(streams, kinds)):
             end = s.token_offset + self.hop(s) + lookahead if kind == "window" else len(s.tokens)
@@ -208,7 +211,7 @@ class Token2Wav:
         for i, (s, mel) in enumerate(zip(streams, new_mel)):
             if mel is None:
                 if s.hift_cache is not None:
-                    mel = torch.zeros(self.cfg.flow.mel_bins, 0)
+                    mel = torch.zeros(self.flow.cfg.mel_bins, 0)
                 else:
                     continue
             mel_in[i] = torch.cat([s.hift_cache.mel, mel], dim=1) if s.hift_cache is not None else mel
