@@ -142,7 +142,7 @@ def run_streams(codec: Token2Wav, reqs, starts, rates) -> list[list[torch.Tensor
     stream with a window due joins one batched decode."""
     streams = [codec.new_stream(r["prompt_tokens"], r["prompt_feat"], r["embedding"], seed=r["seed"]) for r in reqs]
     chunks: list[list[torch.Tensor]] = [[] for _ in reqs]
-    step, batch_sizes = 0, []
+    step, batch_kinds = 0, []
     while not all(s.done for s in streams):
         for i, (r, s) in enumerate(zip(reqs, streams)):
             if step >= starts[i] and not s.ended:
@@ -152,11 +152,13 @@ def run_streams(codec: Token2Wav, reqs, starts, rates) -> list[list[torch.Tensor
                     s.end()
         due = [i for i, s in enumerate(streams) if codec.window_due(s)]
         if due:
-            batch_sizes.append(len(due))
+            batch_kinds.append({(codec.window_due(streams[i]), streams[i].token_offset == 0) for i in due})
             for i, audio in zip(due, codec.decode([streams[i] for i in due])):
                 chunks[i].append(audio)
         step += 1
-    assert max(batch_sizes) > 1, "the schedule should have batched windows of different requests"
+    # the schedule batches first windows with later ones, and final windows with streaming ones
+    assert any(("window", True) in kinds and ("window", False) in kinds for kinds in batch_kinds)
+    assert any({k for k, _ in kinds} == {"window", "final"} for kinds in batch_kinds)
     return chunks
 
 
@@ -173,7 +175,7 @@ def test_streaming_batched_equals_upstream_streaming(ckpt, upstream, hop):
     first = hop + (-7) % hop                    # first hop of a 7-token prompt
     reqs = [make_request(10, 7, 2 * first + 3 + 2, vocab), make_request(11, 0, 2 * hop + 5, vocab),
             make_request(12, 13, 3 * hop + 1, vocab)]
-    got = run_streams(codec, reqs, starts=[0, 2, 3], rates=[7, 7, 1000])
+    got = run_streams(codec, reqs, starts=[0, 2, 9], rates=[7, 7, 1000])
     for req, chunks in zip(reqs, got):
         want = upstream_chunks(upstream, req, stream=True, hop=hop)
         assert len(want) > 1
@@ -194,6 +196,30 @@ def test_first_window_size_is_a_parameter(ours):
     with pytest.raises(InvalidRequest) as err:
         ours.new_stream(req["prompt_tokens"], req["prompt_feat"][:-1], req["embedding"])
     assert err.value.field == "prompt_feat"
+    with pytest.raises(InvalidRequest) as err:
+        ours.new_stream(req["prompt_tokens"], req["prompt_feat"], req["embedding"][:100])
+    assert err.value.field == "embedding"
+
+
+def test_stream_without_tokens_ends_silently(ours):
+    """A request whose LM stopped at once still gets its final window (empty), batched with a normal one."""
+    req = make_request(21, 5, 30, ours.cfg.flow.vocab_size)
+    empty = ours.new_stream(req["prompt_tokens"], req["prompt_feat"], req["embedding"])
+    empty.end()
+    busy = ours.new_stream(req["prompt_tokens"], req["prompt_feat"], req["embedding"], seed=req["seed"])
+    busy.push(req["tokens"].tolist())
+    busy.end()
+    silent, audio = ours.decode([empty, busy])
+    assert silent.numel() == 0 and empty.done and ours.window_due(empty) is None
+    assert audio.numel() > 0
+
+
+def test_tiny_checkpoint_is_deterministic():
+    from voxbackend.tools.tiny_cosyvoice2_codec import tiny_state_dicts
+    _, flow_a, hift_a = tiny_state_dicts(seed=3)
+    _, flow_b, hift_b = tiny_state_dicts(seed=3)
+    for a, b in ((flow_a, flow_b), (hift_a, hift_b)):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ---- step-audio2's flashcosyvoice: an independent implementation on the same weights --------------------------
