@@ -256,7 +256,7 @@ class Launcher:
         for ln in self.lines:
             m = re.match(r"default checkpoint: (\S+)", ln)
             if m:
-                self.checkpoints["csm" if "csm" in Path(m.group(1)).parent.name else "orpheus"] = Path(m.group(1))
+                self.checkpoints["csm" if "csm" in Path(m.group(1)).name else "orpheus"] = Path(m.group(1))
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -269,13 +269,16 @@ class Launcher:
         return None
 
     def tree_rss(self) -> dict[str, int]:
-        """KiB of RSS per process of the server tree (tritonserver + stubs), by label."""
+        """KiB of RSS of the server tree (tritonserver + stubs), summed by label ("stub:<model> x<processes>")."""
         ts = self.tritonserver_pid()
         if ts is None:
             return {}
+        pids = [ts, *descendants(ts)]
+        labels = [process_label(pid) for pid in pids]
+        count = collections.Counter(labels)
         out: dict[str, int] = collections.defaultdict(int)
-        for pid in [ts, *descendants(ts)]:
-            out[process_label(pid)] += rss_kib(pid)
+        for pid, label in zip(pids, labels):
+            out[label + (f" x{count[label]}" if count[label] > 1 else "")] += rss_kib(pid)
         return dict(out)
 
     def alive(self) -> bool:
@@ -822,16 +825,19 @@ def probe_kill_queued(suite: Suite) -> list[Result]:
             before = suite.gauges().queued
         finally:
             kill9(procs)
-        freed, took = wait_until(lambda: suite.gauges().queued <= base, 1.0, step=0.02)
+        # relative to just before the kill: an engine that preempts may move a long stream back to the queue
+        gone = before - len(procs)
+        freed, took = wait_until(lambda: suite.gauges().queued <= gone, 1.0, step=0.02)
         after = suite.gauges().queued
         if not freed:  # how long the dead clients kept their slots (bounded)
-            later, took_later = wait_until(lambda: suite.gauges().queued <= base, 10, step=0.1)
+            later, took_later = wait_until(lambda: suite.gauges().queued <= gone, 10, step=0.1)
     finally:
         release(running + waiting)
     observed = (f"KV pool full ({len(running)} long streams running, {base:g} waiting); 5 client processes queued "
                 f"behind them (3 ensemble, 2 direct): queued gauge {before:g} before kill -9, "
-                + (f"back to {base:g} after {took:.2f} s" if freed else f"{after:g} 1 s after it"
-                   + (f", {base:g} after {took_later:.1f} s" if later else ", not back within 10 s (until admission)")))
+                + (f"{after:g} after {took:.2f} s" if freed else f"{after:g} 1 s after it"
+                   + (f", {gone:g} after {took_later:.1f} s" if later else f", not {gone:g} within 10 s (until "
+                      "admission)")))
     return [settled(suite, "kill_queued", "kill -9 of 5 queued client processes: the queued gauge drops by 5 within "
                     "1 s; once the pool frees up, pages and queue back to 0", observed, queued_ok and freed, t0,
                     settle_s=40)]
@@ -911,6 +917,7 @@ def probe_soak(suite: Suite) -> list[Result]:
     stop.set()
     end_rss = suite.server.tree_rss()
     wall = time.monotonic() - t0
+    samples.append((wall, done[0], sum(end_rss.values())))
     warm = next((kib for _, d, kib in samples if d >= n // 10), samples[0][2] if samples else 0)
     end = sum(end_rss.values())
     growth = end - warm
@@ -1021,8 +1028,8 @@ def probe_shutdown_busy(suite: Suite) -> list[Result]:
     if rc is None:
         suite.server.kill()
     ok = (rc == 0 and stopped == "stopped (exit 0)" and exit_s <= 5.0 and all(answered) and not left and queued_ok)
-    observed = (f"at SIGINT: {g} ({len(running) - 1} long streams running, 1 cancelled, "
-                f"{len(waiting) + len(late)} waiting, 1 refused for its dtype then cancelled); launcher exit {rc} after "
+    observed = (f"at SIGINT: {g} (plus one stream cancelled before, one refused for its dtype then cancelled); "
+                f"launcher exit {rc} after "
                 f"{exit_s:.1f} s, printed '{stopped}'; {sum(answered)}/{len(open_streams)} open streams got a final "
                 f"response from the server ({dict(finals)}); stub processes left: {len(left)}")
     return [Result("shutdown_busy", "SIGINT to `voxbackend serve` while streams run and wait (one cancelled, one "
@@ -1092,7 +1099,7 @@ def render(results: list[Result], info: dict[str, str], argv: list[str], suite: 
     leaks = [r for r in results if (r.pages_leaked or 0) or (r.queue_leaked or 0)]
     lines = [
         "# Reliability suite", "",
-        f"`python perf/reliability.py {' '.join(argv)}`".replace("  ", " "), "",
+        "`" + " ".join(["python perf/reliability.py", *argv]) + "`", "",
         f"**{passed}/{len(results)} probes passed** in {wall_s / 60:.1f} min; "
         f"KV pages leaked: {sum(r.pages_leaked or 0 for r in results)}, queue slots leaked: "
         f"{sum(r.queue_leaked or 0 for r in results)} (summed over probes, read from the metrics port after each "
