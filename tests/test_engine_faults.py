@@ -87,14 +87,19 @@ def test_bad_input_is_refused_before_any_work(llama_dir):
 
 
 def test_requests_wait_for_pages_instead_of_failing(llama_dir):
-    engine = _engine(llama_dir, kv_pages=6, max_batch=8)  # room for one 20-token request at a time
+    engine = _engine(llama_dir, kv_pages=6, max_batch=8)  # room for one 20-token request at full length
     rec = Recorder()
     ids = [engine.submit([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=16), rec) for _ in range(3)]
     engine.step()
-    assert engine.stats().running == 1 and engine.stats().queued == 2
+    # pages grow with the sequence: all three start (a page each); when the pool runs dry one is preempted
+    assert engine.stats().running == 3 and engine.stats().queued == 0 and engine.stats().kv_pages_used == 3
     while any(rec.final(i) is None for i in ids):
         engine.step()
+        assert engine.pool.used_pages <= 6
     assert all(rec.final(i).kind is EventKind.FINISHED for i in ids)
+    assert engine.stats().preemptions > 0
+    assert len({tuple(rec.final(i).token_ids) for i in ids}) == 1  # same prompt, greedy: resumed output unchanged
+    assert engine.pool.used_pages == 0
 
 
 def test_random_admissions_cancellations_and_failures_leave_every_page_free(llama_dir):

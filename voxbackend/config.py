@@ -24,6 +24,9 @@ class EngineConfig:
     playback_margin_s: float = 1.0  # online policy: extra buffer beyond the last chunk before a stream is "pressing"
     first_chunk_s: float = 0.0  # hold a stream's first audio until it is this long (0: send the first window at once)
     attention: str = "auto"  # auto | torch | flashinfer
+    # server-side cap on a request's max_tokens (LM steps); above it a request is refused. 0: the model's
+    # official maximum (ModelSpec.max_tokens)
+    max_tokens_limit: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -31,6 +34,8 @@ class EngineConfig:
         for name in ("max_batch", "kv_pages", "page_size", "prefill_budget", "max_queue", "detok_batch"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if int(self.max_tokens_limit) < 0:
+            raise ValueError(f"max_tokens_limit must be >= 0 (0 = the model's maximum), got {self.max_tokens_limit}")
         if self.attention not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"attention must be auto, torch or flashinfer, got {self.attention!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -2,18 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Callable
 
 from voxbackend.events import Event
 from voxbackend.sampling_params import SamplingParams
-
-
-class Status(Enum):
-    WAITING = "waiting"  # queued, no KV pages yet
-    RUNNING = "running"  # holds KV pages; prefilling or decoding
-    DETOKENIZING = "detokenizing"  # LM done, pages freed, windows still to decode
-    DONE = "done"
 
 
 @dataclass
@@ -24,10 +16,11 @@ class Request:
     on_event: Callable[[Event], None]
     arrival: float
     streaming: bool = True  # False: a batch job with no listener; never "pressing" by playback
-    status: Status = Status.WAITING
     output_ids: list = field(default_factory=list)  # generated steps: ids, or rows for token_columns > 1
     num_cached: int = 0  # positions whose keys/values are in the KV pool
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # grows with the sequence, page by page
+    preempted: bool = False  # pages taken back mid-generation; resumes by recomputing its whole sequence
+    preemptions: int = 0
     # codec side
     codes: list[int] = field(default_factory=list)
     windows_done: int = 0
@@ -42,12 +35,24 @@ class Request:
     finish_reason: str | None = None
 
     @property
-    def num_tokens(self) -> int:
+    def num_positions(self) -> int:
+        """The sequence so far: prompt and generated steps (the last step's keys/values are not cached yet)."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def prefilling(self) -> bool:
-        return self.num_cached < len(self.prompt_ids)
+    def uncached(self) -> int:
+        """Positions still to run through the LM before the next step can be sampled (1 while decoding)."""
+        return self.num_positions - self.num_cached
+
+    def positions(self, start: int, end: int) -> list:
+        """Inputs of positions [start, end): prompt entries, then generated steps (a resumed request's prefix)."""
+        prompt = len(self.prompt_ids)
+        return self.prompt_ids[start:end] + self.output_ids[max(0, start - prompt) : max(0, end - prompt)]
+
+    @property
+    def on_lm(self) -> bool:
+        """Holds KV pages and still generates (neither finished on the LM nor preempted)."""
+        return not self.lm_done and not self.preempted
 
     @property
     def lm_done(self) -> bool:

@@ -23,11 +23,11 @@ from voxbackend.attention.base import SeqSlice
 from voxbackend.config import EngineConfig
 from voxbackend.engine.detokenize import Detokenizer
 from voxbackend.engine.kv_pool import KVPool
-from voxbackend.engine.scheduler import Scheduler
+from voxbackend.engine.scheduler import Scheduler, preemption_victim
 from voxbackend.errors import EngineDead, EngineOverloaded, InvalidRequest
 from voxbackend.events import Event, EventKind
 from voxbackend.models.base import SpeechModel
-from voxbackend.request import Request, Status
+from voxbackend.request import Request
 from voxbackend.sampling import SamplingBatch, sample
 from voxbackend.sampling_params import SamplingParams
 
@@ -37,10 +37,11 @@ MAX_CONSECUTIVE_FAILURES = 3
 
 @dataclass
 class EngineStats:
-    running: int  # requests holding KV pages or still detokenizing
+    running: int  # admitted and not finished: on the LM, preempted (waiting to resume) or still detokenizing
     queued: int  # waiting for admission
     kv_pages_used: int
     kv_pages_total: int
+    preemptions: int  # since the engine started: requests whose KV pages were taken back mid-generation
 
 
 class Engine:
@@ -54,7 +55,7 @@ class Engine:
         self.scheduler = Scheduler(config)
         self.detokenizer = Detokenizer(model) if model.spec.window else None
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # holds pages (LM) or LM finished and still detokenizing
+        self.running: list[Request] = []  # holds pages (LM), preempted, or LM finished and still detokenizing
         self._inbox: list[Request] = []
         self._cancels: set[str] = set()
         self._lock = threading.Lock()
@@ -63,6 +64,9 @@ class Engine:
         self._stop = False
         self._ids = itertools.count()
         self._failures = 0
+        self.preemptions = 0
+        spec = model.spec
+        self.max_tokens_limit = config.max_tokens_limit or spec.max_tokens or spec.geometry.max_context
         self.alive = True
         self.dead_reason: str | None = None
 
@@ -80,15 +84,19 @@ class Engine:
             raise EngineDead(f"engine stopped after a failure: {self.dead_reason}")
         params = (sampling or self.model.default_sampling()).validated()
         prompt = self._check_prompt(prompt_ids)
-        budget = len(prompt) + params.max_tokens
+        if params.max_tokens > self.max_tokens_limit:  # refused, not clamped: the client asked for more
+            raise InvalidRequest(
+                f"max_tokens is {params.max_tokens}; this server allows at most {self.max_tokens_limit} for "
+                f"{self.model.spec.name}", field="max_tokens"
+            )
         max_context = self.model.spec.geometry.max_context
-        if budget > max_context:
+        if len(prompt) + params.max_tokens > max_context:
             params.max_tokens = max_context - len(prompt)  # generation ends at the context ("length")
         needed = self.pool.pages_for(len(prompt) + params.max_tokens)
-        if needed > self.pool.num_pages:
+        if needed > self.pool.num_pages:  # it could never run, even alone in the pool
             raise InvalidRequest(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {needed} KV pages; "
-                f"the pool has {self.pool.num_pages}"
+                f"the pool has {self.pool.num_pages}", field="max_tokens"
             )
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(rid, prompt, params, on_event or (lambda e: None), self.clock(), streaming=streaming)
@@ -107,7 +115,7 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._lock:
             queued = len(self.waiting) + len(self._inbox)
-        return EngineStats(len(self.running), queued, self.pool.used_pages, self.pool.num_pages)
+        return EngineStats(len(self.running), queued, self.pool.used_pages, self.pool.num_pages, self.preemptions)
 
     def start(self) -> "Engine":
         if self._thread is None:
@@ -189,13 +197,14 @@ class Engine:
         if not self.alive:
             return False
         self._drain_inbox()
-        self._admit()
         now = self.clock()
+        self._admit(now)
         lm = self.scheduler.schedule_lm(self.running, now)
         try:
+            lm = self._grow_pages(lm, now)
             if lm:
                 self._run_lm(lm)
-            detok = self._schedule_detok(now, lm_busy=any(not r.lm_done for r in self.running))
+            detok = self._schedule_detok(now, lm_busy=any(r.on_lm for r in self.running))
             if detok:
                 self._run_detok(detok)
             self._failures = 0
@@ -208,7 +217,7 @@ class Engine:
             if self._failures >= MAX_CONSECUTIVE_FAILURES:
                 self._die(f"{MAX_CONSECUTIVE_FAILURES} engine steps failed in a row; last: {exc}")
             return True
-        return bool(lm or detok or self.waiting)
+        return bool(lm or detok or self.waiting or any(r.preempted for r in self.running))
 
     def _check_prompt(self, prompt_ids) -> list[int] | list[list[int]]:
         """Ids [L] for one-column models, rows [L, token_columns] (-1 = no entry) for multi-column ones."""
@@ -250,17 +259,72 @@ class Engine:
         for r in [r for r in self.running if r.id in cancels]:
             self._finish(r, reason="cancelled")
 
-    def _admit(self) -> None:
-        """Reserve KV pages in arrival order while they last; the rest wait (never crash on a full pool)."""
-        while self.waiting:
-            r = self.waiting[0]
-            if not self.pool.can_reserve(len(r.prompt_ids) + r.sampling.max_tokens):
+    # ---------------------------------------------------------------- KV pages: admission, growth, preemption
+    def _admit(self, now: float) -> None:
+        """Give KV pages to waiting and preempted requests in the scheduler's order, until one does not fit (it
+        and those behind it wait: a large request is not overtaken forever by small ones).
+
+        A new request needs the pages of its first prefill chunk; a preempted one the pages of its whole
+        sequence, since it must recompute all of it before it can sample again (a half-recomputed prefix taken
+        back would be wasted work). On top, one free page per request already on the LM: each grows by about a
+        page per page_size steps, so a newcomer is not let into a pool that must preempt at the very next step.
+        """
+        queued = [r for r in self.running if r.preempted] + list(self.waiting)
+        for r in self.scheduler.admission_order(queued, now):
+            first = r.num_positions if r.preempted else min(len(r.prompt_ids), self.config.prefill_budget)
+            need = self.pool.pages_for(first)
+            if need + self._headroom() > self.pool.free_pages and not self._make_room(r, need, now):
                 return
-            self.waiting.popleft()
-            r.pages = self.pool.reserve(r.id, len(r.prompt_ids) + r.sampling.max_tokens)
-            r.status = Status.RUNNING
-            r.codec_state = self.model.new_codec_state()
-            self.running.append(r)
+            r.pages = self.pool.allocate(r.id, first)
+            if r.preempted:
+                r.preempted = False
+            else:
+                self.waiting.remove(r)
+                r.codec_state = self.model.new_codec_state()
+                self.running.append(r)
+
+    def _headroom(self) -> int:
+        return sum(1 for r in self.running if r.on_lm)
+
+    def _make_room(self, r: Request, need: int, now: float) -> bool:
+        """A stream whose listener waits (a new one, or a preempted one that ran dry) may take the pages of
+        requests that can afford a pause: batch jobs and streams with more buffered audio than the pressing
+        threshold. All or nothing: nobody is preempted if that would still not make room."""
+        if self.config.policy != "online" or not r.streaming or not self.scheduler.pressing(r, now):
+            return False
+        victims = [v for v in self.running if v.on_lm and not self.scheduler.pressing(v, now)]
+        # each victim frees its pages and lowers the headroom by one
+        if self.pool.free_pages + sum(len(v.pages) + 1 for v in victims) < need + self._headroom():
+            return False
+        while need + self._headroom() > self.pool.free_pages:
+            victim = preemption_victim(victims, now)
+            victims.remove(victim)
+            self._preempt(victim)
+        return True
+
+    def _grow_pages(self, plan: list[tuple[Request, int]], now: float) -> list[tuple[Request, int]]:
+        """Before the LM step, each planned request gets the pages for the positions it writes, in plan order
+        (the most pressing first). When the pool is dry, the request that can best afford a pause among all on
+        the LM (possibly the one asking) is preempted. Returns the plan without the preempted."""
+        for r, n in plan:
+            while not r.preempted and self.pool.missing(r.id, r.num_cached + n) > self.pool.free_pages:
+                self._preempt(preemption_victim([x for x in self.running if x.on_lm], now))
+            if not r.preempted:
+                r.pages = self.pool.allocate(r.id, r.num_cached + n)
+        return [(r, n) for r, n in plan if not r.preempted]
+
+    def _preempt(self, r: Request) -> None:
+        """Take a request's pages back. It keeps its tokens, codes and codec state (ready windows still decode);
+        on resume it recomputes prompt + generated steps, so its output is the same (sampling counters follow
+        len(output_ids), not time)."""
+        self.pool.release(r.id)
+        r.pages = []
+        r.num_cached = 0
+        r.preempted = True
+        r.preemptions += 1
+        r.skipped_steps = 0
+        self.preemptions += 1
+        log.info("preempted %s at %d positions (KV pool full)", r.id, r.num_positions)
 
     @torch.inference_mode()
     def _run_lm(self, plan: list[tuple[Request, int]]) -> None:
@@ -271,14 +335,11 @@ class Engine:
         sampled: list[Request] = []
         for r, n in plan:
             start = r.num_cached
-            if r.prefilling:
-                ids.extend(r.prompt_ids[start : start + n])
-            else:
-                ids.append(r.output_ids[-1])
+            ids.extend(r.positions(start, start + n))  # prompt or resumed prefix chunk, or the last step
             positions.extend(range(start, start + n))
             seqs.append(SeqSlice(len(ids) - n, n, start, r.pages))
             r.num_cached += n
-            if not r.prefilling:  # this chunk ends the prompt, or it is a decode: a token comes out
+            if not r.uncached:  # this chunk ends the sequence so far (or it is a decode): a token comes out
                 sample_rows.append(len(ids) - 1)
                 sampled.append(r)
         self.attention.plan(seqs)
@@ -340,7 +401,6 @@ class Engine:
         r.finish_reason = reason
         self.pool.release(r.id)  # pages go back now, not after detokenization
         r.pages = []
-        r.status = Status.DETOKENIZING
         if self.detokenizer is None or self.detokenizer.finished(r):
             self._finish(r, reason=reason)
 
@@ -379,7 +439,6 @@ class Engine:
     def _finish(self, r: Request, reason: str | None = None, error: str | None = None) -> None:
         self.pool.release(r.id)
         r.pages = []
-        r.status = Status.DONE
         if r in self.running:
             self.running.remove(r)
         if error is not None:
@@ -388,7 +447,6 @@ class Engine:
             self._emit_final(r, reason or "stop")
 
     def _emit_final(self, r: Request, reason: str) -> None:
-        r.status = Status.DONE
         self._deliver(
             r, Event(r.id, EventKind.FINISHED, index=r.chunks_sent, finish_reason=reason, token_ids=list(r.output_ids))
         )

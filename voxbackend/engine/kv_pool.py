@@ -1,7 +1,8 @@
 """Paged KV pool: one preallocated tensor of pages, a free list, and page tables per request.
 
-Pages for a request's whole budget (prompt + max_tokens) are reserved at admission, so a running request never
-needs more memory mid-stream and nothing has to be preempted. The last page is scratch: padding rows write there.
+A request's pages grow with its sequence: before each LM step it gets the pages the step's positions need, so the
+pool holds as many streams as really fit. When it runs dry the engine preempts a request (gives its pages back
+here) rather than fail. The last page is scratch: padding rows write there.
 """
 from __future__ import annotations
 
@@ -33,18 +34,18 @@ class KVPool:
     def used_pages(self) -> int:
         return self.num_pages - len(self._free)
 
-    def can_reserve(self, num_tokens: int) -> bool:
-        return self.pages_for(num_tokens) <= len(self._free)
+    def missing(self, request_id: str, num_tokens: int) -> int:
+        """Pages a request lacks to hold num_tokens positions."""
+        return max(0, self.pages_for(num_tokens) - len(self._owner.get(request_id, ())))
 
-    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
-        if request_id in self._owner:
-            raise RuntimeError(f"request {request_id} already holds pages")
-        n = self.pages_for(num_tokens)
+    def allocate(self, request_id: str, num_tokens: int) -> list[int]:
+        """Grow a request's page table to hold num_tokens positions; returns the whole table (never shrinks)."""
+        n = self.missing(request_id, num_tokens)
         if n > len(self._free):
             raise RuntimeError(f"KV pool has {len(self._free)} free pages, {n} needed")
-        pages = [self._free.pop() for _ in range(n)]
-        self._owner[request_id] = pages
-        return pages
+        if n:
+            self._owner.setdefault(request_id, []).extend(self._free.pop() for _ in range(n))
+        return list(self._owner.get(request_id, ()))
 
     def release(self, request_id: str) -> None:
         """Give a request's pages back; releasing twice or for a request without pages is harmless."""

@@ -10,24 +10,16 @@ Policies:
   left when the LM has nothing to do), for batch jobs where nobody listens live.
 All policies use chunked prefill under a token budget with several prefills per step, and age requests that were
 passed over too often so that none starves. The clock is a parameter (tests use a fake one).
+
+KV pages: when the pool runs dry, `preemption_victim` names the request that can best afford a pause, and
+`admission_order` says who gets pages first when they come back.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 from voxbackend.config import EngineConfig
 from voxbackend.request import Request
 
 MAX_SKIPPED_STEPS = 8  # a request passed over this many steps in a row is treated as pressing
-
-
-@dataclass
-class StepPlan:
-    lm: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens this step)
-    detok: list[tuple[Request, int]] = field(default_factory=list)  # (request, windows this step)
-
-    def empty(self) -> bool:
-        return not self.lm and not self.detok
 
 
 class Scheduler:
@@ -53,17 +45,28 @@ class Scheduler:
     def schedule_lm(self, running: list[Request], now: float) -> list[tuple[Request, int]]:
         budget = self.config.prefill_budget
         plan: list[tuple[Request, int]] = []
-        candidates = [r for r in running if not r.lm_done]
+        candidates = [r for r in running if r.on_lm]
         for r in self._lm_order(candidates, now):
             if len(plan) >= self.config.max_batch or budget <= 0:
                 break
-            n = min(len(r.prompt_ids) - r.num_cached, budget) if r.prefilling else 1
+            n = min(r.uncached, budget)  # a prompt (or a resumed prefix) in chunks; 1 while decoding
             plan.append((r, n))
             budget -= n
         chosen = {id(r) for r, _ in plan}
         for r in candidates:
             r.skipped_steps = 0 if id(r) in chosen else r.skipped_steps + 1
         return plan
+
+    def admission_order(self, waiting: list[Request], now: float) -> list[Request]:
+        """Who gets KV pages first. online: streams whose listener is waiting or about to run dry (new streams,
+        preempted ones with a drained buffer) ahead of the rest; arrival order within each group (a preempted
+        request keeps its arrival, so it comes back before later ones). fcfs / offline: arrival order."""
+        if self.config.policy != "online":
+            return sorted(waiting, key=lambda r: r.arrival)
+        return sorted(waiting, key=lambda r: (not self.pressing(r, now), r.arrival))
+
+    def pressing(self, r: Request, now: float) -> bool:
+        return r.pressing(now, self.config.playback_margin_s)
 
     def schedule_detok(
         self, ready: list[tuple[Request, int]], lm_busy: bool, now: float, stateful: bool
@@ -89,6 +92,13 @@ class Scheduler:
         urgent.sort(key=lambda x: (x[0].first_chunk_at is not None, x[0].buffer_s(now)))
         plan = _split(urgent, cap)
         return plan + _take(others, cap - sum(n for _, n in plan))
+
+
+def preemption_victim(holders: list[Request], now: float) -> Request:
+    """The request to lose its KV pages when the pool runs dry: the one that can best afford a pause.
+    Non-streaming requests first (nobody is listening), then the stream whose listener has the most audio
+    buffered; ties go to the latest arrival (the least work to redo)."""
+    return max(holders, key=lambda r: (not r.streaming, r.buffer_s(now) if r.streaming else 0.0, r.arrival))
 
 
 def _take(items: list[tuple[Request, int]], cap: int) -> list[tuple[Request, int]]:

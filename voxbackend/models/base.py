@@ -56,6 +56,8 @@ class ModelSpec:
     has_depth: bool = False  # a depth transformer produces the remaining columns of each step
     # token_columns > 1: prompt rows hold ids of column j in [0, column_vocab[j]), or -1 where a row has no entry
     column_vocab: tuple[int, ...] = ()
+    # the most LM steps one request may ask for, as the official implementation caps generation; 0: the context
+    max_tokens: int = 0
 
 
 @dataclass

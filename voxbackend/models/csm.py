@@ -125,6 +125,7 @@ class CsmFrontend(SpeechModel):
             token_columns=K + 1,
             has_depth=True,
             column_vocab=(self.vocab,) * K + (self.text_vocab,),
+            max_tokens=MAX_FRAMES,  # one LM step per frame
         )
 
     @staticmethod

@@ -31,6 +31,7 @@ FRAME = 7  # tokens per SNAC frame: 1 + 2 + 4 codes of the three SNAC levels
 VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 MAX_TEXT_CHARS = 4000
 KEEP = slice(2048, 4096)  # samples of a 4-frame window that are played
+MAX_TOKENS = 1200  # the official engine's max_tokens (about 14 s of audio)
 
 
 def is_orpheus_config(hf_config: dict) -> bool:
@@ -62,6 +63,7 @@ class OrpheusFrontend(SpeechModel):
             codes_per_frame=FRAME,
             window=WindowSpec(frames=4, hop_frames=1, first_frames=4, flush_on_finish=False),
             stop_ids=(END_OF_SPEECH,),
+            max_tokens=MAX_TOKENS,
         )
 
     def prepare(self, text: str, voice: str | None = None) -> list[int]:
@@ -82,7 +84,7 @@ class OrpheusFrontend(SpeechModel):
         return ids
 
     def default_sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, max_tokens=1200)
+        return SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, max_tokens=MAX_TOKENS)
 
 
 class Orpheus(OrpheusFrontend):

@@ -40,6 +40,7 @@ class TokenLM(SpeechModel):
             codes_per_frame=1,
             window=None,
             stop_ids=eos_ids(hf),
+            max_tokens=self.cfg.max_position_embeddings,  # a plain LM may generate up to its context
         )
 
     def forward(self, input_ids, positions, attention):

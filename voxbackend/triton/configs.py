@@ -39,6 +39,7 @@ ENGINE_PARAMS = {
     "first_chunk_s": "0",  # hold each stream's first audio until it is this long (seconds)
     "playback_margin_s": "1.0",  # online policy: buffer below last chunk + this margin = pressing
     "attention": "auto",  # auto | torch | flashinfer
+    "max_tokens_limit": "0",  # largest max_tokens a request may ask; 0 = the model's official maximum
     "engine_loader": "voxbackend:load",  # module:function(model_dir, codec_dir=..., **options) -> engine
     "frontend_loader": "voxbackend.triton.loading:default_frontend",  # module:function(model_dir, codec_dir) -> model
 }

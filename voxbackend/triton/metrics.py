@@ -30,8 +30,10 @@ class TritonMetrics:
             fam("voxbackend_kv_pages_total", "KV cache pages in the pool", fam.GAUGE),
             # Triton 2.51 lets no Python model mark itself unready: alert or probe on this instead
             fam("voxbackend_engine_alive", "1 while the engine loop runs, 0 once it died", fam.GAUGE),
+            fam("voxbackend_preemptions_total", "Requests whose KV pages were taken back mid-generation (the pool "
+                "ran dry); each resumes later with the same output", fam.COUNTER),
         ]
-        ttfa, late, finished, active, queued, kv_used, kv_total, alive = self.families
+        ttfa, late, finished, active, queued, kv_used, kv_total, alive, preempted = self.families
         self._ttfa = ttfa.Metric(labels=labels, buckets=TTFA_BUCKETS)
         self._late = late.Metric(labels=labels)
         self._finished = {r: finished.Metric(labels={**labels, "reason": r}) for r in FINISH_REASONS}
@@ -41,6 +43,8 @@ class TritonMetrics:
         self._kv_total = kv_total.Metric(labels=labels)
         self._alive = alive.Metric(labels=labels)
         self._alive.set(1)
+        self._preemptions = preempted.Metric(labels=labels)
+        self._preemptions_seen = 0
 
     def first_audio(self, seconds: float) -> None:
         self._ttfa.observe(seconds)
@@ -57,3 +61,9 @@ class TritonMetrics:
         self._queued.set(queued)
         self._kv_used.set(kv_used)
         self._kv_total.set(kv_total)
+
+    def preemptions(self, total: int) -> None:
+        """The engine's cumulative count; the counter advances by what is new since the last reading."""
+        if total > self._preemptions_seen:
+            self._preemptions.increment(total - self._preemptions_seen)
+            self._preemptions_seen = total

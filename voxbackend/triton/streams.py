@@ -34,6 +34,7 @@ class Metrics(Protocol):
     def late_chunk(self) -> None: ...
     def finished(self, reason: str) -> None: ...
     def gauges(self, active: int, queued: int, kv_used: int, kv_total: int, alive: bool) -> None: ...
+    def preemptions(self, total: int) -> None: ...
 
 
 class NullMetrics:
@@ -41,6 +42,7 @@ class NullMetrics:
     def late_chunk(self) -> None: pass
     def finished(self, reason: str) -> None: pass
     def gauges(self, active: int, queued: int, kv_used: int, kv_total: int, alive: bool) -> None: pass
+    def preemptions(self, total: int) -> None: pass
 
 
 @dataclass
@@ -230,6 +232,7 @@ class ResponseLoop:
             st = self.engine.stats()
             alive = bool(getattr(self.engine, "alive", True))
             self.metrics.gauges(len(self._streams), st.queued, st.kv_pages_used, st.kv_pages_total, alive)
+            self.metrics.preemptions(getattr(st, "preemptions", 0))  # engines without preemption report none
         except Exception as e:
             log.debug("stats unavailable: %s", e)
 
