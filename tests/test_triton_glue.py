@@ -58,10 +58,15 @@ def test_text_and_voice():
     ("MAX_TOKENS", np.int32(0), "MAX_TOKENS must be >= 1"),
     ("SEED", np.int64(-5), "SEED must be in"),
     ("TEMPERATURE", np.float32("nan"), "TEMPERATURE must not be NaN"),
+    ("TEMPERATURE", np.float32("inf"), "TEMPERATURE must be finite, got inf"),
+    ("TOP_P", np.float32("-inf"), "TOP_P must be finite"),
+    ("MIN_P", np.float32("inf"), "MIN_P must be finite"),
+    ("REPETITION_PENALTY", np.float32("inf"), "REPETITION_PENALTY must be finite"),
 ])
 def test_sampling_errors_use_tensor_names(name, value, message):
-    with pytest.raises(InvalidRequest, match=message):
+    with pytest.raises(InvalidRequest, match=re.escape(message)) as e:
         fields.sampling(getter(**{name: np.array([value])}), SamplingParams())
+    assert e.value.field == schema.SAMPLING_FIELDS[name]  # the engine-side name travels with the error
 
 
 def test_sampling_defaults_overrides_and_fp32_rounding():
@@ -127,19 +132,38 @@ def test_model_input_errors_name_the_tensor(tensors, message):
 
 def test_model_messages_are_translated_to_tensor_names():
     class Model:
-        def __init__(self, message):
-            self.message = message
+        def __init__(self, message, field):
+            self.message, self.field = message, field
 
         def prepare(self, text, **kwargs):
-            raise InvalidRequest(self.message)
+            raise InvalidRequest(self.message, field=self.field)
 
-    for said, meant in [("speaker must be in [0, 10), got 12", "SPEAKER must be in [0, 10), got 12"),
-                        ("context[1].speaker must be in [0, 10)", "CONTEXT_SPEAKER[1] must be in [0, 10)"),
-                        ("context[0].audio is 170.00 s; the limit is 163.84 s", "CONTEXT_AUDIO[0] is 170.00 s"),
-                        ("text is 5000 characters", "TEXT is 5000 characters"),
-                        ("prompt is 3000 positions", "prompt is 3000 positions")]:
-        with pytest.raises(InvalidRequest, match=re.escape(meant)):
-            fields.prepare_request(getter(TEXT=text(b"hi")), Model(said), CSM_INPUTS)
+    for said, field, meant in [
+            ("speaker must be in [0, 10), got 12", "speaker", "SPEAKER must be in [0, 10), got 12"),
+            ("context[1].speaker must be in [0, 10)", "context[1].speaker", "CONTEXT_SPEAKER[1] must be in [0, 10)"),
+            ("context[0].audio is 170.00 s; the limit is 163.84 s", "context[0].audio", "CONTEXT_AUDIO[0] is 170.00 s"),
+            ("context[0].audio sample_rate must be an integer", "context[0].audio sample_rate",
+             "CONTEXT_AUDIO[0] sample_rate must be an integer"),
+            ("context[2].text is empty", "context[2].text", "CONTEXT_TEXT[2] is empty"),
+            ("text is 5000 characters", "text", "TEXT is 5000 characters"),
+            ("unknown speaker 'x'", "speaker", "SPEAKER: unknown speaker 'x'"),  # message not led by the field
+            ("prompt is 3000 positions", None, "prompt is 3000 positions")]:  # no field: unchanged
+        with pytest.raises(InvalidRequest, match=re.escape(meant)) as e:
+            fields.prepare_request(getter(TEXT=text(b"hi")), Model(said, field), CSM_INPUTS)
+        assert e.value.field == field
+
+
+def test_glue_errors_carry_the_engine_side_field():
+    cases = [(lambda: fields.text_field(getter()), "text"),
+             (lambda: fields.audio_format(getter(AUDIO_FORMAT=text(b"mp3"))), "audio_format"),
+             (lambda: fields.prepare_kwargs(getter(SPEAKER=np.array([1.5], np.float32)), CSM_INPUTS), "speaker"),
+             (lambda: fields.prepare_kwargs(getter(CONTEXT_TEXT=text(b"\xff"), CONTEXT_SPEAKER=np.array([0], np.int32),
+                                                   CONTEXT_AUDIO=text(b"x")), CSM_INPUTS), "context[0].text"),
+             (lambda: fields.prompt_ids(getter(PROMPT_IDS=np.zeros(0, np.int64))), "prompt_ids")]
+    for call, field in cases:
+        with pytest.raises(InvalidRequest) as e:
+            call()
+        assert e.value.field == field, (str(e.value), field)
 
 
 def test_encodings_round_trip_and_clip():
