@@ -3,7 +3,7 @@
 Requests arrive on a seeded Poisson (or Gamma, burstier) schedule regardless of how fast the server
 answers, so an overloaded server shows up as growing TTFA and stalls, not as a slower client.
 Per request it records the send time and, per AUDIO response, the arrival time and audio seconds;
-metrics come from clients/stream_metrics.py (DESIGN section 4).
+metrics come from clients/stream_metrics.py (definitions: docs/metrics.md).
 
     python -m clients.loadgen --url localhost:8001 --model orpheus \
         --prompts perf/data/prompts.txt --rates 0.5,1,2 --duration 30 --seed 0 --out perf/results/load.json

@@ -15,7 +15,7 @@ from voxbackend.errors import InvalidRequest
 from voxbackend.events import Event, EventKind
 from voxbackend.sampling_params import SamplingParams
 from voxbackend.triton import audio_encoding, fields, schema
-from voxbackend.triton.cancel_channel import CancelListener, send_cancel
+from voxbackend.triton.cancel_channel import CancelListener, send_cancel, send_shutdown, server_listeners
 from voxbackend.triton.fake_engine import FakeEngine
 from voxbackend.triton.loading import instance_settings
 from voxbackend.triton.streams import ResponseLoop, Stream, _Add
@@ -305,6 +305,59 @@ def test_loop_reject_sends_one_error_and_stop_closes_open_streams(engine):
     assert open_.sent[-1][1] == "request aborted: shutting down" and open_.sent[-1][2]
 
 
+def test_loop_probes_only_silent_streams_that_ask_for_it():
+    now = [0.0]
+
+    class QueuedEngine:  # everything waits in the queue: nothing is ever sent
+        def cancel(self, request_id):
+            pass
+
+        def stats(self):
+            return None
+
+    loop = ResponseLoop(QueuedEngine(), clock=lambda: now[0], probe_s=0.4, cancel_check_s=1e9)
+    ensemble, direct = Recorder(), Recorder()
+    loop._handle(_Add(Stream("e", ensemble, "pcm16", 0.0, 24000, seed=7, probes=True)))
+    loop._handle(_Add(Stream("d", direct, "pcm16", 0.0, 24000, probes=False)))
+    for t in (0.1, 0.3, 0.45, 0.6, 0.9):
+        now[0] = t
+        loop._housekeeping()
+    assert direct.sent == []  # a direct client sees cancellation itself (is_cancelled) and must not see probes
+    assert len(ensemble.sent) == 2  # at 0.45 s and 0.9 s: each 0.4 s after the last response
+    for out, error, final in ensemble.sent:
+        assert error is None and not final and out["FINISH_REASON"][0] == b"probe" and out["AUDIO"].size == 0
+        assert out["SEED_USED"][0] == 7
+
+
+def test_shutdown_ends_open_and_new_streams_with_a_final_response(engine):
+    loop = ResponseLoop(engine, gauge_s=0.01)
+    loop.start()
+    running, queued = Recorder(), Recorder()
+    submit(loop, engine, "running", "long text " * 5, running, max_tokens=7000, seed=3)
+    assert wait_until(lambda: running.sent)
+    engine.max_batch = 1  # the next one stays queued
+    submit(loop, engine, "queued", "queued text", queued, max_tokens=7000)
+    loop.request_shutdown()
+    late = Recorder()
+    loop.add(Stream("late", late, "pcm16", time.monotonic(), 24000))  # arrives while the server stops
+    for rec in (running, queued, late):
+        assert rec.done.wait(5)
+        out, error, final = rec.sent[-1]
+        assert error is None and final and out["FINISH_REASON"][0] == b"shutdown"
+        assert sum(f for _, _, f in rec.sent) == 1
+    assert wait_until(lambda: engine.stats().kv_pages_used == 0 and engine.stats().queued == 0)
+    loop.stop()
+
+
+def wait_until(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def test_late_chunks_follow_the_listener_model():
     now = [0.0]
     metrics = Metrics()
@@ -331,6 +384,18 @@ def test_cancel_channel_round_trip():
     assert got == ["req-1"]
     assert not send_cancel(sid)  # instance gone: no exception
     assert not send_cancel("garbage")
+
+
+def test_the_launcher_finds_its_servers_engine_instances_and_shuts_them_down():
+    shutdowns = []
+    listener = CancelListener(lambda rid: None, lambda: shutdowns.append(1))  # named after our parent process
+    try:
+        assert listener.address in server_listeners(os.getppid())
+        assert listener.address not in server_listeners(os.getpid())
+        assert send_shutdown(os.getppid()) >= 1
+        assert wait_until(lambda: shutdowns)
+    finally:
+        listener.close()
 
 
 # ---------------------------------------------------------------- settings and launcher

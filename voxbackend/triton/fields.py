@@ -239,6 +239,11 @@ def audio_format(get: Getter) -> str:
     return fmt
 
 
+def cancel_probes(get: Getter) -> bool:
+    value = get("CANCEL_PROBES")
+    return bool(value is not None and value.size and value.reshape(-1)[0])
+
+
 def prompt_ids(get: Getter, columns: int = 1) -> list[int] | list[list[int]] | None:
     """Ids [L]; for multi-column models the flattened rows, returned as [L, columns]."""
     value = get("PROMPT_IDS")

@@ -1,13 +1,14 @@
 """Find, start, wait for and stop a tritonserver that serves a voxbackend model repository.
 
 Works with the NGC container (/opt/tritonserver) and with the `nvidia-pytriton` wheel (CPU machines, tests).
-What the wheel needs (DESIGN section 6): a backend directory holding the Python stub built for this Python,
+What the wheel needs (docs/triton.md, Launcher): a backend directory holding the Python stub built for this Python,
 the current interpreter's bin/ first on PATH (the stub takes sys.prefix from the first python3 there and
 ignores PYTHONPATH), and the wheel's bundled libraries on LD_LIBRARY_PATH.
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,6 +19,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from voxbackend.triton.cancel_channel import send_shutdown
 
 NGC_ROOT = Path("/opt/tritonserver")
 
@@ -75,6 +78,21 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
     return env
 
 
+def stub_pids(server_pid: int) -> list[int]:
+    """The Python backend stubs the server started (its children running triton_python_backend_stub).
+
+    Reads the server's own /proc children lists (cheap: this runs while a loaded machine unloads models)."""
+    pids = []
+    for children in Path(f"/proc/{server_pid}/task").glob("*/children"):
+        try:
+            for pid in children.read_text().split():
+                if b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    pids.append(int(pid))
+        except OSError:
+            continue  # exited while we looked
+    return pids
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -124,7 +142,7 @@ class TritonServer:
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
             "--allow-gpu-metrics=false" if not Path("/dev/nvidia0").exists() else "--allow-gpu-metrics=true",
-            "--exit-timeout-secs=15", f"--log-verbose={self.log_verbose}", *self.extra_args,
+            "--exit-timeout-secs=30", f"--log-verbose={self.log_verbose}", *self.extra_args,
         ]
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
@@ -172,24 +190,64 @@ class TritonServer:
         except OSError:
             return "(no log)"
 
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGINT (models are unloaded, finalize() runs), then SIGKILL to the group if it hangs."""
+    def stop(self, timeout: float = 40.0) -> int | None:
+        """End every stream, SIGINT (models are unloaded, finalize() runs), SIGKILL to the group if it hangs.
+
+        Returns the exit code, or 0 when every model unloaded and only Triton's own bookkeeping kept the
+        process alive: in 2.51 a request Triton refused (wrong dtype or shape) and the client then cancelled
+        stays counted in its ensemble, and the process would wait out --exit-timeout-secs and exit 1.
+        """
         if self.proc is None:
             return None
+        code = None
         if self.proc.poll() is None:
+            had_stubs = bool(stub_pids(self.proc.pid))
+            if send_shutdown(self.proc.pid):  # streams end now: SIGINT would wait for every in-flight request
+                self._wait_streams_closed()
             self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+            code = self._wait_unloaded(timeout, had_stubs)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # stray stubs of this server's group, if any
         except ProcessLookupError:
             pass
+        self.proc.wait(10)
         self._log.close()
-        code, self.proc = self.proc.returncode, None
+        code = self.proc.returncode if code is None else code
+        self.proc = None
         return code
+
+    def _wait_streams_closed(self, timeout: float = 5.0, settle_s: float = 0.3) -> None:
+        """Until the engines report no open stream, then a moment for the final responses to pass the ensemble's
+        postprocess (once SIGINT arrives, Triton refuses new step requests, final ones included)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                text = urllib.request.urlopen(self.metrics_url, timeout=2).read().decode()
+            except OSError:
+                break
+            open_streams = sum(float(v) for v in re.findall(r"^voxbackend_active_streams(?:\{[^}]*\})? (\S+)$",
+                                                            text, re.MULTILINE))
+            if open_streams == 0:
+                break
+            time.sleep(0.1)
+        time.sleep(settle_s)
+
+    def _wait_unloaded(self, timeout: float, had_stubs: bool, grace_s: float = 1.5) -> int | None:
+        """Wait for the process to exit; 0 if it is still there grace_s after its last model stub exited."""
+        deadline = time.monotonic() + timeout
+        stubs_gone_at = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return None
+            if had_stubs and not stub_pids(self.proc.pid):
+                stubs_gone_at = stubs_gone_at or time.monotonic()
+                if time.monotonic() - stubs_gone_at > grace_s:
+                    with open(self.log_file, "a") as log:
+                        log.write("voxbackend: every model unloaded; tritonserver still waits on a request it "
+                                  "refused and the client cancelled (Triton 2.51); ending it\n")
+                    return 0
+            time.sleep(0.25)
+        return None  # timed out: killed below, its code reported
 
     def close(self) -> int | None:
         """stop() and remove the temporary work folder (log included) if this object made one."""
