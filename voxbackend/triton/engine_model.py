@@ -41,7 +41,7 @@ class EngineModel:
         self.metrics = TritonMetrics(pb_utils, args["model_name"], args.get("model_instance_name", "0"))
         self.loop = ResponseLoop(self.engine, self.metrics)
         self.loop.start()
-        self.cancels = CancelListener(self.loop.request_cancel, self.loop.request_shutdown)
+        self.cancels = CancelListener(self.loop.request_cancel, self._server_stopping)
         self.engine.start()
         pb_utils.Logger.log_info(
             f"{args['model_name']}: engine up ({self.model.spec.name}, {settings.checkpoint}, "
@@ -78,6 +78,12 @@ class EngineModel:
             self.loop.reject(request_id, f"{type(e).__name__}: {e}")
         except Exception as e:  # never raise out of execute: the stream would never end
             self.loop.reject(request_id, f"internal error: {type(e).__name__}: {e}")
+
+    def _server_stopping(self) -> None:
+        """The launcher's SHUTDOWN (cancel_channel): end every stream now and stop the engine; finalize() may
+        come much later (or never, for a model Triton keeps alive for a leaked request)."""
+        self.loop.request_shutdown()
+        self.engine.shutdown()
 
     def finalize(self) -> None:
         self.cancels.close()

@@ -78,6 +78,21 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
     return env
 
 
+IDLE_TICKS_PER_S = 5  # CPU clock ticks (1/100 s) per second below which a stub counts as idle
+
+
+def stub_cpu_ticks(server_pid: int) -> dict[int, int]:
+    """pid -> user + system CPU ticks so far, for each stub of the server."""
+    ticks = {}
+    for pid in stub_pids(server_pid):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks[pid] = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+        except (OSError, IndexError, ValueError):
+            continue
+    return ticks
+
+
 def stub_pids(server_pid: int) -> list[int]:
     """The Python backend stubs the server started (its children running triton_python_backend_stub).
 
@@ -142,7 +157,7 @@ class TritonServer:
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
             "--allow-gpu-metrics=false" if not Path("/dev/nvidia0").exists() else "--allow-gpu-metrics=true",
-            "--exit-timeout-secs=30", f"--log-verbose={self.log_verbose}", *self.extra_args,
+            "--exit-timeout-secs=15", f"--log-verbose={self.log_verbose}", *self.extra_args,
         ]
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
@@ -184,18 +199,27 @@ class TritonServer:
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s:\n{self.log_tail()}")
 
+    def _log_since(self, offset: int, text: str) -> bool:
+        try:
+            with open(self.log_file, "rb") as f:
+                f.seek(offset)
+                return text.encode() in f.read()
+        except OSError:
+            return False
+
     def log_tail(self, lines: int = 60) -> str:
         try:
             return "\n".join(Path(self.log_file).read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
 
-    def stop(self, timeout: float = 40.0) -> int | None:
+    def stop(self, timeout: float = 30.0) -> int | None:
         """End every stream, SIGINT (models are unloaded, finalize() runs), SIGKILL to the group if it hangs.
 
-        Returns the exit code, or 0 when every model unloaded and only Triton's own bookkeeping kept the
-        process alive: in 2.51 a request Triton refused (wrong dtype or shape) and the client then cancelled
-        stays counted in its ensemble, and the process would wait out --exit-timeout-secs and exit 1.
+        Returns the exit code, or 0 when every stream ended and every model that can unload did, and only
+        Triton's own bookkeeping kept the process alive: in 2.51 a request Triton refused (wrong dtype or shape)
+        and the client then cancelled keeps its model (ensemble or not) from unloading, and the process would
+        wait out --exit-timeout-secs and exit 1.
         """
         if self.proc is None:
             return None
@@ -204,8 +228,9 @@ class TritonServer:
             had_stubs = bool(stub_pids(self.proc.pid))
             if send_shutdown(self.proc.pid):  # streams end now: SIGINT would wait for every in-flight request
                 self._wait_streams_closed()
+            since = Path(self.log_file).stat().st_size
             self.proc.send_signal(signal.SIGINT)
-            code = self._wait_unloaded(timeout, had_stubs)
+            code = self._wait_unloaded(timeout, had_stubs, since)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # stray stubs of this server's group, if any
         except ProcessLookupError:
@@ -232,20 +257,29 @@ class TritonServer:
             time.sleep(0.1)
         time.sleep(settle_s)
 
-    def _wait_unloaded(self, timeout: float, had_stubs: bool, grace_s: float = 1.5) -> int | None:
-        """Wait for the process to exit; 0 if it is still there grace_s after its last model stub exited."""
+    def _wait_unloaded(self, timeout: float, had_stubs: bool, log_offset: int, settle_s: float = 2.0) -> int | None:
+        """Wait for the process to exit. 0 (clean) if it is still there once Triton has no request in flight and
+        its remaining model stubs (none, or those of models it keeps alive for a leaked request) sat idle for
+        settle_s: every stream has ended and every model that can unload has."""
         deadline = time.monotonic() + timeout
-        stubs_gone_at = None
+        window: tuple[float, dict[int, int]] | None = None
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return None
-            if had_stubs and not stub_pids(self.proc.pid):
-                stubs_gone_at = stubs_gone_at or time.monotonic()
-                if time.monotonic() - stubs_gone_at > grace_s:
+            busy = stub_cpu_ticks(self.proc.pid)
+            if not had_stubs or not self._log_since(log_offset, "Found 0 model versions that have in-flight"):
+                window = None
+            elif window is None or set(window[1]) != set(busy):
+                window = (time.monotonic(), busy)
+            elif time.monotonic() - window[0] >= settle_s:
+                used = sum(busy[p] - window[1][p] for p in busy)
+                if used <= IDLE_TICKS_PER_S * settle_s * max(1, len(busy)):
                     with open(self.log_file, "a") as log:
-                        log.write("voxbackend: every model unloaded; tritonserver still waits on a request it "
-                                  "refused and the client cancelled (Triton 2.51); ending it\n")
+                        log.write(f"voxbackend: every stream ended and every model that can unload did; "
+                                  f"{len(busy)} idle stub(s) of models Triton 2.51 keeps alive for a request it "
+                                  "refused and the client cancelled; ending the server\n")
                     return 0
+                window = (time.monotonic(), busy)
             time.sleep(0.25)
         return None  # timed out: killed below, its code reported
 

@@ -146,7 +146,7 @@ class ResponseLoop:
     def _run(self) -> None:
         while True:
             try:
-                item = self._queue.get(timeout=self.poll_s)
+                item = self._queue.get(timeout=self.poll_s if not self.closing else 0.5)  # stopping: stay quiet
             except queue.Empty:
                 item = None
             try:
