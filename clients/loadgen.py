@@ -3,7 +3,7 @@
 Requests arrive on a seeded Poisson (or Gamma, burstier) schedule regardless of how fast the server
 answers, so an overloaded server shows up as growing TTFA and stalls, not as a slower client.
 Per request it records the send time and, per AUDIO response, the arrival time and audio seconds;
-metrics come from clients/stream_metrics.py (DESIGN section 4).
+metrics come from clients/stream_metrics.py (definitions: docs/metrics.md).
 
     python -m clients.loadgen --url localhost:8001 --model orpheus \
         --prompts perf/data/prompts.txt --rates 0.5,1,2 --duration 30 --seed 0 --out perf/results/load.json
@@ -333,6 +333,25 @@ def machine() -> str:
     return f"{cpu_model()} x{os.cpu_count()} cores"
 
 
+def error_counts(timelines: list[StreamTimeline]) -> list[tuple[str, int]]:
+    """Distinct error messages with how many requests got each, most frequent first."""
+    counts: dict[str, int] = {}
+    for tl in timelines:
+        if tl.error is not None:
+            counts[tl.error] = counts.get(tl.error, 0) + 1
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def format_errors(timelines: list[StreamTimeline]) -> str:
+    """A count alone says nothing: one line per distinct message says why."""
+    counts = error_counts(timelines)
+    if not counts:
+        return "errors: 0"
+    lines = [f"errors: {sum(n for _, n in counts)} ({len(counts)} distinct)"]
+    lines += [f"  {n} x {message}" for message, n in counts]
+    return "\n".join(lines)
+
+
 def arrival_label(burstiness: float) -> str:
     return "Poisson (open loop)" if burstiness == 1.0 else f"Gamma shape {burstiness:g} (open loop)"
 
@@ -375,8 +394,11 @@ def main(argv: list[str] | None = None) -> int:
                        opts=opts, request_timeout=a.request_timeout, max_requests=a.max_requests,
                        pool_size=a.pool_size)
         summaries[rate] = summarize(tls)
-        runs.append({"rate": rate, "summary": summaries[rate], "timelines": [t.to_dict() for t in tls]})
+        runs.append({"rate": rate, "summary": summaries[rate], "error_messages": dict(error_counts(tls)),
+                     "timelines": [t.to_dict() for t in tls]})
         print(f"rate {rate:g}: {json.dumps(summaries[rate])}", flush=True)
+        if summaries[rate]["errors"]:
+            print(format_errors(tls), flush=True)
     prov = {"git_commit": git_commit(Path(__file__).resolve().parent.parent), "machine": machine(),
             "url": a.url, "model": a.model, "dataset": a.prompts, "arrival": arrival_label(a.burstiness),
             "seed": a.seed, "duration_s": a.duration, "options": vars(a)}

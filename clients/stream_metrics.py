@@ -1,4 +1,4 @@
-"""Streaming TTS metrics (DESIGN section 4), as pure functions over per-request timelines.
+"""Streaming TTS metrics (docs/metrics.md), as pure functions over per-request timelines.
 
 Definitions used everywhere in this project:
 
@@ -111,7 +111,7 @@ def summarize(timelines: list[StreamTimeline], wall_s: float | None = None) -> d
 
 
 def meets_targets(summary: dict, ttfa_p90_target_s: float, stall_free_target: float = 0.99) -> bool:
-    """DESIGN section 4 goodput condition for one load level."""
+    """The goodput condition of docs/metrics.md for one load level."""
     p90, free = summary.get("ttfa_p90_s"), summary.get("stall_free_frac")
     if not summary.get("count") or p90 is None or free is None:
         return False

@@ -4,7 +4,7 @@
     python -m clients.tts_stream --model csm --speaker 1 --text "Nice to meet you." \
         --context-text "Hi, I'm calling about the flat." --context-audio turn1.wav --out reply.wav
 
-Prints time to first audio (TTFA), chunks, stalls and on-time chunks (DESIGN section 4), audio seconds and
+Prints time to first audio (TTFA), chunks, stalls and on-time chunks (docs/metrics.md), audio seconds and
 "x real time" (audio seconds / wall seconds, higher is better). Works with the `orpheus` ensemble (AUDIO is
 encoded bytes, PCM16 or float32) and with `orpheus_engine` directly (AUDIO is float32 samples).
 """
@@ -119,6 +119,7 @@ class StreamOutcome:
     responses: int = 0  # every callback for this request, audio or final or error
     late_responses: int = 0  # callbacks after the final response or error (should stay 0)
     arrived_in_order: bool = True  # chunks came in CHUNK_INDEX order
+    seed: int | None = None  # SEED_USED: the seed the server sampled with (send it as SEED to reproduce the audio)
 
     def put_in_order(self) -> None:
         """Sort chunks by CHUNK_INDEX (a server should keep order; this makes the client robust if not).
@@ -144,7 +145,7 @@ class StreamOutcome:
         return self.arrivals[0] - self.send_time if self.arrivals else None
 
     def on_time(self) -> list[bool]:
-        """DESIGN section 4: chunk i >= 1 is on time if chunks 0..i-1 hold more audio than the time since chunk 0."""
+        """docs/metrics.md: chunk i >= 1 is on time if chunks 0..i-1 hold more audio than the time since chunk 0."""
         flags, buffered = [], 0.0
         for i in range(1, len(self.chunks)):
             buffered += self.chunks[i - 1].size / self.sample_rate
@@ -192,6 +193,7 @@ def stream_request(url: str, model: str, inputs: list, audio_format: str = "pcm1
                 break
             audio = response_audio(result, audio_format)
             out.sample_rate = int(_scalar(result, "SAMPLE_RATE", out.sample_rate) or 0)
+            out.seed = _scalar(result, "SEED_USED", out.seed)
             if audio.size:
                 out.chunks.append(audio)
                 out.arrivals.append(t)
@@ -233,7 +235,7 @@ def report(out: StreamOutcome) -> str:
     xrt = out.audio_s / out.wall_s if out.wall_s > 0 else 0.0
     return (f"TTFA {ttfa} | chunks {len(out.chunks)} | stalls {out.stalls} (on-time chunks {pct}) | "
             f"audio {out.audio_s:.2f} s in {out.wall_s:.2f} s wall = {xrt:.2f}x real time "
-            f"(audio s / wall s) | finish {out.finish_reason or out.error}")
+            f"(audio s / wall s) | finish {out.finish_reason or out.error} | seed {out.seed}")
 
 
 def add_request_args(ap: argparse.ArgumentParser) -> None:
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text", default="Hello there, this is a streaming speech server.")
     add_request_args(ap)
     ap.add_argument("--format", default="pcm16", choices=("pcm16", "fp32"), help="AUDIO_FORMAT (ensemble)")
-    ap.add_argument("--seed", type=int)
+    ap.add_argument("--seed", type=int, help="sampling seed; default: the server draws one and returns it (printed)")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--out", default="out.wav", help="WAV file to write")
     a = ap.parse_args(argv)

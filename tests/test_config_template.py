@@ -81,10 +81,12 @@ def test_ensemble_steps_follow_the_decoupled_origin_rule(model):
     assert set(pre_in) == {s.name for s in schema.client_inputs(model.input_specs)}
 
 
-def test_engine_is_decoupled_and_every_tensor_is_documented():
+def test_engine_and_postprocess_are_decoupled_and_every_tensor_is_documented():
     rendered = configs.render_all()
-    assert "decoupled: true" in rendered["orpheus_engine"]
-    assert "decoupled" not in rendered["orpheus_preprocess"] + rendered[configs.POSTPROCESS]
+    # the postprocess is decoupled so that a probe can end without a response (cancel_channel)
+    for name in ("orpheus_engine", configs.POSTPROCESS):
+        assert "model_transaction_policy { decoupled: true }" in rendered[name], name
+    assert "decoupled" not in rendered["orpheus_preprocess"]
     model_inputs = [s for specs in schema.MODEL_INPUTS.values() for s in specs]
     for spec in (*schema.TEXT_INPUTS, *schema.ENGINE_INPUTS, *schema.ENGINE_OUTPUTS, *schema.POSTPROCESS_OUTPUTS,
                  *model_inputs):

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from clients.loadgen import (RequestOptions, _Run, arrival_label, arrival_offsets, build_inputs, chunk_audio_seconds,
-                             is_final, load_prompts, parse_rates, request_fields)
+                             error_counts, format_errors, is_final, load_prompts, parse_rates, request_fields)
 from clients.stream_metrics import StreamTimeline
 
 
@@ -131,3 +131,16 @@ def test_error_response_marks_request_and_retires_stream():
     conn.current, run.pending = t, 1
     run._on_response(conn, None, RuntimeError("unknown voice"))
     assert t.error == "unknown voice" and conn.broken and run.pending == 0 and run.idle.empty()
+
+
+def test_errors_are_reported_with_their_messages_and_counts():
+    def tl(error):
+        return StreamTimeline(send_time=0.0, error=error)
+
+    overloaded = "EngineOverloaded: overloaded: 64 requests already queued; retry later"
+    bad = "InvalidRequest: TOP_P must be in (0, 1], got 0.0"
+    tls = [tl(overloaded), tl(None), tl(bad), tl(overloaded), tl(overloaded), tl(None), tl("timed out")]
+    assert error_counts(tls) == [(overloaded, 3), (bad, 1), ("timed out", 1)]
+    text = format_errors(tls)
+    assert text.splitlines() == ["errors: 5 (3 distinct)", f"  3 x {overloaded}", f"  1 x {bad}", "  1 x timed out"]
+    assert format_errors([tl(None)]) == "errors: 0"

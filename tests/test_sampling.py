@@ -87,12 +87,19 @@ def test_uniform_is_in_range_and_seed_dependent():
         ({"top_k": 1.5}, "top_k"),
         ({"seed": -3}, "seed"),
         ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": float("-inf")}, "top_p"),
+        ({"min_p": float("inf")}, "min_p"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"max_tokens": float("inf")}, "max_tokens"),
+        ({"seed": float("inf")}, "seed"),
         ({"max_tokens": True}, "max_tokens"),
     ],
 )
 def test_bad_sampling_values_name_the_field(kwargs, field):
-    with pytest.raises(InvalidRequest, match=field):
+    with pytest.raises(InvalidRequest, match=field) as e:
         SamplingParams(**kwargs).validated()
+    assert e.value.field == field
 
 
 def test_penalty_over_candidates_equals_penalty_over_the_vocab():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
@@ -149,6 +148,18 @@ def test_16_concurrent_streams_match_engine_synthesize(server, reference, model)
                        f"{model} stream {i}")
 
 
+@pytest.mark.parametrize("model", ["orpheus", "orpheus_engine"])
+def test_an_unseeded_request_returns_the_seed_that_reproduces_its_audio(server, model):
+    inputs = dict(MAX_TOKENS=MAX_TOKENS, TEMPERATURE=0.0)  # greedy LM: only the codec noise needs the seed
+    first = stream_request(server.grpc_url, model, make_inputs(TEXTS[5], None, "fp32", **inputs), "fp32", timeout=240)
+    assert first.error is None and first.chunks, first.error
+    assert isinstance(first.seed, int) and 0 <= first.seed < 2**31, first.seed
+    again = stream_request(server.grpc_url, model, make_inputs(TEXTS[5], None, "fp32", SEED=first.seed, **inputs),
+                           "fp32", timeout=240)
+    assert again.error is None and again.seed == first.seed
+    np.testing.assert_array_equal(again.audio, first.audio)
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -260,40 +271,35 @@ def test_metrics_port_shows_the_custom_metrics(server):
     assert metric(server, "nv_inference_request_success", model="orpheus") >= 1  # Triton's own, alongside
 
 
-def _perf_analyzer() -> tuple[str, dict[str, str]] | None:
-    pa = Path(sys.executable).parent / "perf_analyzer"
-    if not pa.is_file():
-        return None
-    env = dict(os.environ)
-    try:
-        import nvidia.cuda_runtime as cudart
-
-        env["LD_LIBRARY_PATH"] = os.pathsep.join([str(Path(cudart.__path__[0]) / "lib"),
-                                                  env.get("LD_LIBRARY_PATH", "")])
-    except ImportError:
-        pass
-    return str(pa), env
-
-
 def test_perf_analyzer_streams_against_the_ensemble(server, tmp_path):
-    found = _perf_analyzer()
-    assert found is not None, "perf_analyzer not installed (it ships in tritonclient==2.51.0's wheel)"
-    pa, env = found
+    from perf.perf_analyzer.parse import first_response_latencies, load_profile
+    from voxbackend.cli import perf_analyzer_command
+
+    pa, env = perf_analyzer_command()  # what `voxbackend perf-analyzer` runs
     probe = subprocess.run([pa], env=env, capture_output=True, text=True)
     assert "error while loading shared libraries" not in probe.stderr, (
         f"perf_analyzer cannot run: {probe.stderr.strip()} (apt-get install libb64-0d; "
         "pip install nvidia-cuda-runtime-cu12)")
-    data = ROOT / "perf" / "data" / "pa_orpheus_max256.json"
-    if not data.is_file():  # written by perf/data/make_inputs.py; fall back to a small one of our own
-        data = tmp_path / "input.json"
-        data.write_text(json.dumps({"data": [{"TEXT": {"content": [t], "shape": [1]},
-                                              "MAX_TOKENS": {"content": [MAX_TOKENS], "shape": [1]}}
-                                             for t in TEXTS[:4]]}))
-    csv = tmp_path / "pa.csv"
-    cmd = [pa, "-m", "orpheus", "-u", server.grpc_url, "-i", "grpc", "--streaming", "--input-data", str(data),
-           "--concurrency-range", "2", "--measurement-mode", "count_windows", "--measurement-request-count", "6",
-           "-s", "100", "-r", "3", "-f", str(csv)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    data = tmp_path / "input.json"
+    data.write_text(json.dumps({"data": [{"TEXT": {"content": [t], "shape": [1]},
+                                          "MAX_TOKENS": {"content": [MAX_TOKENS], "shape": [1]}}
+                                         for t in TEXTS[:4]]}))
+    csv, export = tmp_path / "pa.csv", tmp_path / "profile.json"
+    requests = 6
+    # --request-count: exactly that many requests, one measurement, no stability search (which made the run
+    # depend on the machine's load: it failed 1 run in 5 on a busy 2-core machine)
+    cmd = [sys.executable, "-m", "voxbackend.cli", "perf-analyzer", "-m", "orpheus", "-u", server.grpc_url,
+           "-i", "grpc", "--streaming", "--input-data", str(data), "--concurrency-range", "2",
+           "--request-count", str(requests), "-f", str(csv), "--profile-export-file", str(export)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Throughput" in done.stdout and "Avg latency" in done.stdout
     assert csv.is_file() and "Concurrency" in csv.read_text()
+    profile = load_profile(export)
+    sent = [r for e in profile["experiments"] for r in e["requests"]]
+    assert len(sent) >= requests
+    for r in sent:  # every stream: several responses (chunks, then the final one), in time order
+        times = r["response_timestamps"]
+        assert len(times) >= 2 and times == sorted(times) and times[0] > r["timestamp"], r
+    ttfa = first_response_latencies(profile)[2.0]  # the docs' recipe for first-response latency
+    assert len(ttfa) == len(sent) and all(0 < t < 240 for t in ttfa)

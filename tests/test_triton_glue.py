@@ -15,7 +15,7 @@ from voxbackend.errors import InvalidRequest
 from voxbackend.events import Event, EventKind
 from voxbackend.sampling_params import SamplingParams
 from voxbackend.triton import audio_encoding, fields, schema
-from voxbackend.triton.cancel_channel import CancelListener, send_cancel
+from voxbackend.triton.cancel_channel import CancelListener, send_cancel, send_shutdown, server_listeners
 from voxbackend.triton.fake_engine import FakeEngine
 from voxbackend.triton.loading import instance_settings
 from voxbackend.triton.streams import ResponseLoop, Stream, _Add
@@ -58,10 +58,15 @@ def test_text_and_voice():
     ("MAX_TOKENS", np.int32(0), "MAX_TOKENS must be >= 1"),
     ("SEED", np.int64(-5), "SEED must be in"),
     ("TEMPERATURE", np.float32("nan"), "TEMPERATURE must not be NaN"),
+    ("TEMPERATURE", np.float32("inf"), "TEMPERATURE must be finite, got inf"),
+    ("TOP_P", np.float32("-inf"), "TOP_P must be finite"),
+    ("MIN_P", np.float32("inf"), "MIN_P must be finite"),
+    ("REPETITION_PENALTY", np.float32("inf"), "REPETITION_PENALTY must be finite"),
 ])
 def test_sampling_errors_use_tensor_names(name, value, message):
-    with pytest.raises(InvalidRequest, match=message):
+    with pytest.raises(InvalidRequest, match=re.escape(message)) as e:
         fields.sampling(getter(**{name: np.array([value])}), SamplingParams())
+    assert e.value.field == schema.SAMPLING_FIELDS[name]  # the engine-side name travels with the error
 
 
 def test_sampling_defaults_overrides_and_fp32_rounding():
@@ -127,19 +132,38 @@ def test_model_input_errors_name_the_tensor(tensors, message):
 
 def test_model_messages_are_translated_to_tensor_names():
     class Model:
-        def __init__(self, message):
-            self.message = message
+        def __init__(self, message, field):
+            self.message, self.field = message, field
 
         def prepare(self, text, **kwargs):
-            raise InvalidRequest(self.message)
+            raise InvalidRequest(self.message, field=self.field)
 
-    for said, meant in [("speaker must be in [0, 10), got 12", "SPEAKER must be in [0, 10), got 12"),
-                        ("context[1].speaker must be in [0, 10)", "CONTEXT_SPEAKER[1] must be in [0, 10)"),
-                        ("context[0].audio is 170.00 s; the limit is 163.84 s", "CONTEXT_AUDIO[0] is 170.00 s"),
-                        ("text is 5000 characters", "TEXT is 5000 characters"),
-                        ("prompt is 3000 positions", "prompt is 3000 positions")]:
-        with pytest.raises(InvalidRequest, match=re.escape(meant)):
-            fields.prepare_request(getter(TEXT=text(b"hi")), Model(said), CSM_INPUTS)
+    for said, field, meant in [
+            ("speaker must be in [0, 10), got 12", "speaker", "SPEAKER must be in [0, 10), got 12"),
+            ("context[1].speaker must be in [0, 10)", "context[1].speaker", "CONTEXT_SPEAKER[1] must be in [0, 10)"),
+            ("context[0].audio is 170.00 s; the limit is 163.84 s", "context[0].audio", "CONTEXT_AUDIO[0] is 170.00 s"),
+            ("context[0].audio sample_rate must be an integer", "context[0].audio sample_rate",
+             "CONTEXT_AUDIO[0] sample_rate must be an integer"),
+            ("context[2].text is empty", "context[2].text", "CONTEXT_TEXT[2] is empty"),
+            ("text is 5000 characters", "text", "TEXT is 5000 characters"),
+            ("unknown speaker 'x'", "speaker", "SPEAKER: unknown speaker 'x'"),  # message not led by the field
+            ("prompt is 3000 positions", None, "prompt is 3000 positions")]:  # no field: unchanged
+        with pytest.raises(InvalidRequest, match=re.escape(meant)) as e:
+            fields.prepare_request(getter(TEXT=text(b"hi")), Model(said, field), CSM_INPUTS)
+        assert e.value.field == field
+
+
+def test_glue_errors_carry_the_engine_side_field():
+    cases = [(lambda: fields.text_field(getter()), "text"),
+             (lambda: fields.audio_format(getter(AUDIO_FORMAT=text(b"mp3"))), "audio_format"),
+             (lambda: fields.prepare_kwargs(getter(SPEAKER=np.array([1.5], np.float32)), CSM_INPUTS), "speaker"),
+             (lambda: fields.prepare_kwargs(getter(CONTEXT_TEXT=text(b"\xff"), CONTEXT_SPEAKER=np.array([0], np.int32),
+                                                   CONTEXT_AUDIO=text(b"x")), CSM_INPUTS), "context[0].text"),
+             (lambda: fields.prompt_ids(getter(PROMPT_IDS=np.zeros(0, np.int64))), "prompt_ids")]
+    for call, field in cases:
+        with pytest.raises(InvalidRequest) as e:
+            call()
+        assert e.value.field == field, (str(e.value), field)
 
 
 def test_encodings_round_trip_and_clip():
@@ -281,6 +305,59 @@ def test_loop_reject_sends_one_error_and_stop_closes_open_streams(engine):
     assert open_.sent[-1][1] == "request aborted: shutting down" and open_.sent[-1][2]
 
 
+def test_loop_probes_only_silent_streams_that_ask_for_it():
+    now = [0.0]
+
+    class QueuedEngine:  # everything waits in the queue: nothing is ever sent
+        def cancel(self, request_id):
+            pass
+
+        def stats(self):
+            return None
+
+    loop = ResponseLoop(QueuedEngine(), clock=lambda: now[0], probe_s=0.4, cancel_check_s=1e9)
+    ensemble, direct = Recorder(), Recorder()
+    loop._handle(_Add(Stream("e", ensemble, "pcm16", 0.0, 24000, seed=7, probes=True)))
+    loop._handle(_Add(Stream("d", direct, "pcm16", 0.0, 24000, probes=False)))
+    for t in (0.1, 0.3, 0.45, 0.6, 0.9):
+        now[0] = t
+        loop._housekeeping()
+    assert direct.sent == []  # a direct client sees cancellation itself (is_cancelled) and must not see probes
+    assert len(ensemble.sent) == 2  # at 0.45 s and 0.9 s: each 0.4 s after the last response
+    for out, error, final in ensemble.sent:
+        assert error is None and not final and out["FINISH_REASON"][0] == b"probe" and out["AUDIO"].size == 0
+        assert out["SEED_USED"][0] == 7
+
+
+def test_shutdown_ends_open_and_new_streams_with_a_final_response(engine):
+    loop = ResponseLoop(engine, gauge_s=0.01)
+    loop.start()
+    running, queued = Recorder(), Recorder()
+    submit(loop, engine, "running", "long text " * 5, running, max_tokens=7000, seed=3)
+    assert wait_until(lambda: running.sent)
+    engine.max_batch = 1  # the next one stays queued
+    submit(loop, engine, "queued", "queued text", queued, max_tokens=7000)
+    loop.request_shutdown()
+    late = Recorder()
+    loop.add(Stream("late", late, "pcm16", time.monotonic(), 24000))  # arrives while the server stops
+    for rec in (running, queued, late):
+        assert rec.done.wait(5)
+        out, error, final = rec.sent[-1]
+        assert error is None and final and out["FINISH_REASON"][0] == b"shutdown"
+        assert sum(f for _, _, f in rec.sent) == 1
+    assert wait_until(lambda: engine.stats().kv_pages_used == 0 and engine.stats().queued == 0)
+    loop.stop()
+
+
+def wait_until(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def test_late_chunks_follow_the_listener_model():
     now = [0.0]
     metrics = Metrics()
@@ -307,6 +384,18 @@ def test_cancel_channel_round_trip():
     assert got == ["req-1"]
     assert not send_cancel(sid)  # instance gone: no exception
     assert not send_cancel("garbage")
+
+
+def test_the_launcher_finds_its_servers_engine_instances_and_shuts_them_down():
+    shutdowns = []
+    listener = CancelListener(lambda rid: None, lambda: shutdowns.append(1))  # named after our parent process
+    try:
+        assert listener.address in server_listeners(os.getppid())
+        assert listener.address not in server_listeners(os.getpid())
+        assert send_shutdown(os.getppid()) >= 1
+        assert wait_until(lambda: shutdowns)
+    finally:
+        listener.close()
 
 
 # ---------------------------------------------------------------- settings and launcher

@@ -30,27 +30,30 @@ def read_audio(data: bytes | np.ndarray, sample_rate: int | None, target_rate: i
     if isinstance(data, (bytes, bytearray, memoryview)):
         audio, rate = _decode(bytes(data), field)
         if sample_rate is not None and _rate(sample_rate, f"{field} sample_rate") != rate:
-            raise InvalidRequest(f"{field}: the file says {rate} Hz but sample_rate={sample_rate} was given")
+            raise InvalidRequest(f"{field}: the file says {rate} Hz but sample_rate={sample_rate} was given",
+                                 field=field)
     elif isinstance(data, np.ndarray):
         if sample_rate is None:
-            raise InvalidRequest(f"{field}: raw samples need a sample_rate")
+            raise InvalidRequest(f"{field}: raw samples need a sample_rate", field=field)
         rate = _rate(sample_rate, f"{field} sample_rate")
         if data.dtype not in (np.float32, np.float64):
-            raise InvalidRequest(f"{field}: raw samples must be float32 (or float64) in [-1, 1], got {data.dtype}")
+            raise InvalidRequest(f"{field}: raw samples must be float32 (or float64) in [-1, 1], got {data.dtype}",
+                                 field=field)
         if data.ndim == 2 and 1 in data.shape:
             data = data.reshape(-1)
         if data.ndim != 1:
             raise InvalidRequest(f"{field}: raw samples must be mono [samples] (or [1, samples]), "
-                                 f"got shape {list(data.shape)}")
+                                 f"got shape {list(data.shape)}", field=field)
         audio = data.astype(np.float32)
     else:
-        raise InvalidRequest(f"{field} must be audio file bytes or a float32 array, got {type(data).__name__}")
+        raise InvalidRequest(f"{field} must be audio file bytes or a float32 array, got {type(data).__name__}",
+                             field=field)
     if not audio.size:
-        raise InvalidRequest(f"{field} is empty")
+        raise InvalidRequest(f"{field} is empty", field=field)
     if not np.isfinite(audio).all():
-        raise InvalidRequest(f"{field} contains NaN or infinite samples")
+        raise InvalidRequest(f"{field} contains NaN or infinite samples", field=field)
     if max_seconds is not None and audio.size > max_seconds * rate:
-        raise InvalidRequest(f"{field} is {audio.size / rate:.2f} s; the limit is {max_seconds:g} s")
+        raise InvalidRequest(f"{field} is {audio.size / rate:.2f} s; the limit is {max_seconds:g} s", field=field)
     return resample(audio, rate, _rate(target_rate, "target_rate"))
 
 
@@ -59,7 +62,7 @@ def _rate(rate, field: str) -> int:
         rate = rate.reshape(-1)[0]
     if isinstance(rate, (bool, np.bool_)) or not isinstance(rate, (int, np.integer)) or \
             not MIN_RATE <= rate <= MAX_RATE:
-        raise InvalidRequest(f"{field} must be an integer in [{MIN_RATE}, {MAX_RATE}] Hz, got {rate!r}")
+        raise InvalidRequest(f"{field} must be an integer in [{MIN_RATE}, {MAX_RATE}] Hz, got {rate!r}", field=field)
     return int(rate)
 
 
@@ -67,11 +70,11 @@ def _decode(data: bytes, field: str) -> tuple[np.ndarray, int]:
     import soundfile as sf  # libsndfile; only needed for encoded input
 
     if not data:
-        raise InvalidRequest(f"{field} is empty")
+        raise InvalidRequest(f"{field} is empty", field=field)
     try:
         audio, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except Exception as exc:  # soundfile raises LibsndfileError / RuntimeError / TypeError for junk
-        raise InvalidRequest(f"{field} is not a readable audio file (WAV, FLAC, OGG): {exc}") from None
+        raise InvalidRequest(f"{field} is not a readable audio file (WAV, FLAC, OGG): {exc}", field=field) from None
     return audio.mean(axis=1, dtype=np.float32), int(rate)
 
 

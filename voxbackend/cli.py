@@ -6,11 +6,14 @@
     voxbackend demo --text "Hello." --out hello.wav   # serve, stream one sentence to a WAV, stop
     voxbackend make-checkpoint [--root DIR]            # build (or find) the tiny default checkpoint
     voxbackend configs [--check]                       # regenerate / verify model_repository/*/config.pbtxt
+    voxbackend perf-analyzer -m orpheus --streaming ...  # tritonclient's perf_analyzer with its libraries found
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,8 +88,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 return 1
     finally:
         code = server.close()
-    print(f"stopped (exit {code})")
-    return 0
+    print(f"stopped (exit {code})", flush=True)
+    return 0 if code == 0 else 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -111,6 +114,33 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def perf_analyzer_command() -> tuple[str, dict[str, str]]:
+    """perf_analyzer (tritonclient's wheel puts it next to this interpreter) and an environment in which it
+    runs: it links libcudart.so.12 even on CPU, which the nvidia-cuda-runtime-cu12 wheel provides."""
+    binary = Path(sys.executable).parent / "perf_analyzer"
+    found = str(binary) if binary.is_file() else shutil.which("perf_analyzer")
+    if found is None:
+        raise FileNotFoundError("no perf_analyzer: pip install 'tritonclient[all]==2.51.0' (its wheel ships it)")
+    env = dict(os.environ)
+    try:
+        import nvidia.cuda_runtime as cudart
+
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            [str(Path(list(cudart.__path__)[0]) / "lib"), *filter(None, [env.get("LD_LIBRARY_PATH")])])
+    except ImportError:
+        pass  # a machine with CUDA installed has libcudart already
+    return found, env
+
+
+def run_perf_analyzer(args: list[str]) -> int:
+    try:
+        binary, env = perf_analyzer_command()
+    except FileNotFoundError as e:
+        print(f"voxbackend: {e}", file=sys.stderr)
+        return 2
+    return subprocess.call([binary, *args], env=env)
+
+
 def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-repository", default=str(default_repository()))
     p.add_argument("--models", help="comma-separated served models, e.g. orpheus or csm (default: all); "
@@ -120,7 +150,8 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="engine parameter override, e.g. max_batch=64, kv_pages=4096, device=cuda, policy=fcfs; "
                    "csm.max_batch=16 for one model only")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the HTTP, gRPC and metrics ports bind; 0.0.0.0 for every interface")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
@@ -151,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = sub.add_parser("configs", help="regenerate (or --check) model_repository/*/config.pbtxt")
     cfg.add_argument("--check", action="store_true")
     cfg.set_defaults(func=lambda a: configs.main(["--check"] if a.check else []))
+    sub.add_parser("perf-analyzer", help="run perf_analyzer with libcudart on LD_LIBRARY_PATH; every argument "
+                   "after it goes to perf_analyzer (--help included)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["perf-analyzer"]:
+        return run_perf_analyzer(argv[1:])
     args = ap.parse_args(argv)
     return args.func(args)
 

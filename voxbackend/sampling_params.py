@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from dataclasses import dataclass
 
@@ -29,38 +30,39 @@ class SamplingParams:
         p.repetition_penalty = _number("repetition_penalty", p.repetition_penalty, float)
         p.top_k = _number("top_k", p.top_k, int)
         p.max_tokens = _number("max_tokens", p.max_tokens, int)
-        if p.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0 (0 = greedy), got {p.temperature}")
-        if not 0 < p.top_p <= 1:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {p.top_p}")
-        if not 0 <= p.min_p <= 1:
-            raise InvalidRequest(f"min_p must be in [0, 1], got {p.min_p}")
-        if p.top_k < 0:
-            raise InvalidRequest(f"top_k must be >= 0 (0 = disabled), got {p.top_k}")
-        if not 0 < p.repetition_penalty <= 100:
-            raise InvalidRequest(f"repetition_penalty must be in (0, 100], got {p.repetition_penalty}")
-        if p.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be >= 1, got {p.max_tokens}")
+        _check("temperature", p.temperature >= 0, f"must be >= 0 (0 = greedy), got {p.temperature}")
+        _check("top_p", 0 < p.top_p <= 1, f"must be in (0, 1], got {p.top_p}")
+        _check("min_p", 0 <= p.min_p <= 1, f"must be in [0, 1], got {p.min_p}")
+        _check("top_k", p.top_k >= 0, f"must be >= 0 (0 = disabled), got {p.top_k}")
+        _check("repetition_penalty", 0 < p.repetition_penalty <= 100,
+               f"must be in (0, 100], got {p.repetition_penalty}")
+        _check("max_tokens", p.max_tokens >= 1, f"must be >= 1, got {p.max_tokens}")
         if p.seed is None:
             p.seed = random.randint(0, MAX_SEED)
         else:
             p.seed = _number("seed", p.seed, int)
-            if not 0 <= p.seed <= MAX_SEED:
-                raise InvalidRequest(f"seed must be in [0, {MAX_SEED}], got {p.seed}")
+            _check("seed", 0 <= p.seed <= MAX_SEED, f"must be in [0, {MAX_SEED}], got {p.seed}")
         return p
+
+
+def _check(name: str, ok: bool, problem: str) -> None:
+    if not ok:
+        raise InvalidRequest(f"{name} {problem}", field=name)
 
 
 def _number(name: str, value, kind: type):
     # bool is an int subclass; a flag passed as a number is a client bug
     if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "item"):
-        raise InvalidRequest(f"{name} must be a number, got {type(value).__name__}")
+        raise InvalidRequest(f"{name} must be a number, got {type(value).__name__}", field=name)
     if hasattr(value, "item"):
         value = value.item()
     if kind is int:
         if isinstance(value, float) and not value.is_integer():
-            raise InvalidRequest(f"{name} must be an integer, got {value}")
+            raise InvalidRequest(f"{name} must be an integer, got {value}", field=name)
         return int(value)
     value = float(value)
-    if value != value:
-        raise InvalidRequest(f"{name} must not be NaN")
+    if math.isnan(value):
+        raise InvalidRequest(f"{name} must not be NaN", field=name)
+    if math.isinf(value):  # inf passes range checks such as temperature >= 0
+        raise InvalidRequest(f"{name} must be finite, got {value}", field=name)
     return value

@@ -33,6 +33,7 @@ from voxbackend.errors import InvalidRequest
 from voxbackend.models.base import ModelSpec, SpeechModel, WindowJob, WindowSpec
 from voxbackend.models.checkpoint import load_safetensors, read_config
 from voxbackend.models.llama import LlamaConfig, build_llama
+from voxbackend.models.text_tokens import TextTokenizer
 from voxbackend.models.token_lm import llama_geometry
 from voxbackend.sampling_params import SamplingParams
 
@@ -102,6 +103,7 @@ class CsmFrontend(SpeechModel):
         self.cfg = LlamaConfig.from_hf(hf)
         self.tokenizer = self._load_tokenizer(Path(model_dir))
         self.bos, self.eos = self.tokenizer.token_to_id(BOS), self.tokenizer.token_to_id(EOS)
+        self.text_tokenizer = TextTokenizer(self.tokenizer)  # user text never becomes a control token
 
         # no codec_dir: the Mimi weights inside the checkpoint; only its config is read here
         self.codec_source = (Path(codec_dir), "") if codec_dir is not None else (Path(model_dir), "codec_model.")
@@ -156,51 +158,54 @@ class CsmFrontend(SpeechModel):
 
     def _text_rows(self, text: str, speaker: int, field: str) -> list[list[int]]:
         if not isinstance(text, str):
-            raise InvalidRequest(f"{field} must be a string, got {type(text).__name__}")
+            raise InvalidRequest(f"{field} must be a string, got {type(text).__name__}", field=field)
         if not text.strip():
-            raise InvalidRequest(f"{field} is empty")
+            raise InvalidRequest(f"{field} is empty", field=field)
         if len(text) > MAX_TEXT_CHARS:
-            raise InvalidRequest(f"{field} is {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
-        ids = [self.bos, *self.tokenizer.encode(f"[{speaker}]{text}", add_special_tokens=False).ids, self.eos]
+            raise InvalidRequest(f"{field} is {len(text)} characters; the limit is {MAX_TEXT_CHARS}", field=field)
+        ids = [self.bos, *self.text_tokenizer.encode(f"[{speaker}]{text}"), self.eos]
         if max(ids) >= self.text_vocab:
-            raise InvalidRequest(f"{field} contains special tokens outside the model's text vocabulary")
+            raise InvalidRequest(f"{field} contains special tokens outside the model's text vocabulary", field=field)
         return [[-1] * self.num_codebooks + [t] for t in ids]
 
     def _speaker(self, speaker, field: str) -> int:
         if isinstance(speaker, str) and speaker.strip().isdigit():
             speaker = int(speaker)
         if isinstance(speaker, bool) or not isinstance(speaker, (int, np.integer)):
-            raise InvalidRequest(f"{field} must be an integer id in [0, {NUM_SPEAKERS}), got {speaker!r}")
+            raise InvalidRequest(f"{field} must be an integer id in [0, {NUM_SPEAKERS}), got {speaker!r}",
+                                 field=field)
         if not 0 <= speaker < NUM_SPEAKERS:
-            raise InvalidRequest(f"{field} must be in [0, {NUM_SPEAKERS}), got {speaker}")
+            raise InvalidRequest(f"{field} must be in [0, {NUM_SPEAKERS}), got {speaker}", field=field)
         return int(speaker)
 
     def _segment(self, seg, field: str) -> ContextSegment:
         if isinstance(seg, dict):
             unknown = set(seg) - {"text", "speaker", "codes", "audio", "sample_rate"}
             if unknown:
-                raise InvalidRequest(f"{field} has unknown keys {sorted(unknown)}")
+                raise InvalidRequest(f"{field} has unknown keys {sorted(unknown)}", field=field)
             try:
                 seg = ContextSegment(seg["text"], seg["speaker"], seg.get("codes"), seg.get("audio"),
                                      seg.get("sample_rate"))
             except KeyError as exc:
-                raise InvalidRequest(f"{field} needs text, speaker and codes or audio; missing {exc}") from None
+                raise InvalidRequest(f"{field} needs text, speaker and codes or audio; missing {exc}",
+                                     field=field) from None
         if not isinstance(seg, ContextSegment):
-            raise InvalidRequest(f"{field} must be a ContextSegment or a dict, got {type(seg).__name__}")
+            raise InvalidRequest(f"{field} must be a ContextSegment or a dict, got {type(seg).__name__}", field=field)
         if (seg.codes is None) == (seg.audio is None):
-            raise InvalidRequest(f"{field} needs exactly one of codes (Mimi codes) and audio (a waveform)")
+            raise InvalidRequest(f"{field} needs exactly one of codes (Mimi codes) and audio (a waveform)", field=field)
         speaker = self._speaker(seg.speaker, f"{field}.speaker")
         if seg.audio is not None:
             return ContextSegment(seg.text, speaker, self._encode_context(seg, f"{field}.audio"))
         codes = np.asarray(seg.codes.cpu() if isinstance(seg.codes, torch.Tensor) else seg.codes)
+        field = f"{field}.codes"
         if codes.dtype.kind == "f":
-            raise InvalidRequest(f"{field}.codes: raw audio goes in the segment's audio (with its sample_rate); "
-                                 f"codes are Mimi codes [frames, {self.num_codebooks}]")
+            raise InvalidRequest(f"{field}: raw audio goes in the segment's audio (with its sample_rate); "
+                                 f"codes are Mimi codes [frames, {self.num_codebooks}]", field=field)
         if codes.dtype.kind not in "iu" or codes.ndim != 2 or codes.shape[1] != self.num_codebooks or not len(codes):
-            raise InvalidRequest(f"{field}.codes must be integer Mimi codes [frames, {self.num_codebooks}], "
-                                 f"got {codes.dtype} {list(codes.shape)}")
+            raise InvalidRequest(f"{field} must be integer Mimi codes [frames, {self.num_codebooks}], "
+                                 f"got {codes.dtype} {list(codes.shape)}", field=field)
         if codes.min() < 0 or codes.max() >= self.codebook_size:
-            raise InvalidRequest(f"{field}.codes must be in [0, {self.codebook_size})")
+            raise InvalidRequest(f"{field} must be in [0, {self.codebook_size})", field=field)
         return ContextSegment(seg.text, speaker, codes.astype(np.int64))
 
     def _encode_context(self, seg: ContextSegment, field: str) -> np.ndarray:

@@ -18,10 +18,12 @@ from voxbackend.errors import InvalidRequest
 from voxbackend.models.base import ModelSpec, SpeechModel, WindowJob, WindowSpec
 from voxbackend.models.checkpoint import load_safetensors, read_config
 from voxbackend.models.llama import LlamaConfig, build_llama
+from voxbackend.models.text_tokens import TextTokenizer
 from voxbackend.models.token_lm import llama_geometry
 from voxbackend.sampling_params import SamplingParams
 
 VOCAB_SIZE = 156940
+BEGIN_OF_TEXT = 128000  # <|begin_of_text|>: the official code's tokenizer call adds it
 START_OF_HUMAN = 128259
 PROMPT_END = (128009, 128260, 128261, 128257)  # <eot>, <end_of_human>, <start_of_ai>, <start_of_speech>
 END_OF_SPEECH = 128258
@@ -56,6 +58,7 @@ class OrpheusFrontend(SpeechModel):
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self.text_tokenizer = TextTokenizer(self.tokenizer)  # user text never becomes a control token
         self.spec = ModelSpec(
             name="orpheus",
             geometry=llama_geometry(self.cfg),
@@ -68,15 +71,15 @@ class OrpheusFrontend(SpeechModel):
 
     def prepare(self, text: str, voice: str | None = None) -> list[int]:
         if not isinstance(text, str):
-            raise InvalidRequest(f"text must be a string, got {type(text).__name__}")
+            raise InvalidRequest(f"text must be a string, got {type(text).__name__}", field="text")
         if not text.strip():
-            raise InvalidRequest("text is empty")
+            raise InvalidRequest("text is empty", field="text")
         if len(text) > MAX_TEXT_CHARS:
-            raise InvalidRequest(f"text is {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
+            raise InvalidRequest(f"text is {len(text)} characters; the limit is {MAX_TEXT_CHARS}", field="text")
         voice = voice or VOICES[0]
         if voice not in VOICES:
-            raise InvalidRequest(f"unknown voice {voice!r}; choose one of {', '.join(VOICES)}")
-        ids = [START_OF_HUMAN, *self.tokenizer.encode(f"{voice}: {text}").ids, *PROMPT_END]
+            raise InvalidRequest(f"unknown voice {voice!r}; choose one of {', '.join(VOICES)}", field="voice")
+        ids = [START_OF_HUMAN, BEGIN_OF_TEXT, *self.text_tokenizer.encode(f"{voice}: {text}"), *PROMPT_END]
         if len(ids) >= self.spec.geometry.max_context:
             raise InvalidRequest(
                 f"prompt is {len(ids)} tokens; the model's context is {self.spec.geometry.max_context}"

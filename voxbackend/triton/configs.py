@@ -182,7 +182,7 @@ def render_all(overrides: dict[str, str] | None = None, models: list[str] | None
         POSTPROCESS: _python_model(
             POSTPROCESS, "Shared by every model: float audio chunk -> PCM16 or float32 bytes, with metadata. "
             "One instance keeps each stream's chunks in order.",
-            schema.POSTPROCESS_INPUTS, schema.POSTPROCESS_OUTPUTS, instances=1),
+            schema.POSTPROCESS_INPUTS, schema.POSTPROCESS_OUTPUTS, instances=1, decoupled=True),
     }
     for m in served:
         params = m.params(overrides)

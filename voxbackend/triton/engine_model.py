@@ -41,7 +41,7 @@ class EngineModel:
         self.metrics = TritonMetrics(pb_utils, args["model_name"], args.get("model_instance_name", "0"))
         self.loop = ResponseLoop(self.engine, self.metrics)
         self.loop.start()
-        self.cancels = CancelListener(self.loop.request_cancel)
+        self.cancels = CancelListener(self.loop.request_cancel, self._server_stopping)
         self.engine.start()
         pb_utils.Logger.log_info(
             f"{args['model_name']}: engine up ({self.model.spec.name}, {settings.checkpoint}, "
@@ -61,19 +61,29 @@ class EngineModel:
         except InvalidRequest:
             fmt = DEFAULT_AUDIO_FORMAT  # reported below, once the stream exists
         responder = TritonResponder(self.pb, request.get_response_sender())
-        self.loop.add(Stream(request_id, responder, fmt, arrived, self.sample_rate,
-                             stream_id=self.cancels.stream_id(request_id)))
+        stream = Stream(request_id, responder, fmt, arrived, self.sample_rate,
+                        stream_id=self.cancels.stream_id(request_id))
+        self.loop.add(stream)
+        if self.loop.closing:
+            return  # the server is stopping: the loop ends the stream at once
         try:
             fields.audio_format(get)
             ids = fields.prompt_ids(get, self.model.spec.token_columns)
             if ids is None:  # a direct client: prepare here (Triton's thread, not the engine's)
                 ids = fields.prepare_request(get, self.model, self.inputs)
-            sampling = fields.sampling(get, self.model.default_sampling())
+            sampling = fields.sampling(get, self.model.default_sampling())  # draws the seed when absent
+            stream.seed, stream.probes = sampling.seed, fields.cancel_probes(get)
             self.engine.submit(ids, sampling, self.loop.on_event, request_id=request_id)
         except (InvalidRequest, EngineOverloaded, EngineDead) as e:
             self.loop.reject(request_id, f"{type(e).__name__}: {e}")
         except Exception as e:  # never raise out of execute: the stream would never end
             self.loop.reject(request_id, f"internal error: {type(e).__name__}: {e}")
+
+    def _server_stopping(self) -> None:
+        """The launcher's SHUTDOWN (cancel_channel): end every stream now and stop the engine; finalize() may
+        come much later (or never, for a model Triton keeps alive for a leaked request)."""
+        self.loop.request_shutdown()
+        self.engine.shutdown()
 
     def finalize(self) -> None:
         self.cancels.close()

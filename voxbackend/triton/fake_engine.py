@@ -40,12 +40,12 @@ class FakeModel:
 
     def prepare(self, text: str, voice: str | None = None) -> list[int]:
         if not text.strip():
-            raise InvalidRequest("text is empty")
+            raise InvalidRequest("text is empty", field="text")
         if len(text) > self.max_chars:
-            raise InvalidRequest(f"text is {len(text)} characters; the limit is {self.max_chars}")
+            raise InvalidRequest(f"text is {len(text)} characters; the limit is {self.max_chars}", field="text")
         voice = voice or self.voices[0]
         if voice not in self.voices:
-            raise InvalidRequest(f"unknown voice {voice!r}; choose one of {', '.join(self.voices)}")
+            raise InvalidRequest(f"unknown voice {voice!r}; choose one of {', '.join(self.voices)}", field="voice")
         return [1000 + self.voices.index(voice), *text.encode("utf-8")]
 
     def default_sampling(self) -> SamplingParams:
@@ -106,11 +106,12 @@ class FakeEngine:
         if not self.alive:
             raise EngineDead("the engine loop died")
         if not prompt_ids:
-            raise InvalidRequest("prompt is empty")
+            raise InvalidRequest("prompt is empty", field="prompt_ids")
         sampling = sampling.validated()
         pages = math.ceil((len(prompt_ids) + sampling.max_tokens) / self.page_size)
         if pages > self.kv_pages:
-            raise InvalidRequest(f"request needs {pages} KV pages; the pool has {self.kv_pages}")
+            raise InvalidRequest(f"request needs {pages} KV pages; the pool has {self.kv_pages}",
+                                 field="max_tokens")
         with self._lock:
             if len(self._waiting) >= self.max_queue:
                 raise EngineOverloaded(f"overloaded: {len(self._waiting)} requests are queued (max_queue)")

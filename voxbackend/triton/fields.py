@@ -6,14 +6,13 @@ InvalidRequest with a message that names the field.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Callable
 
 import numpy as np
 
 from voxbackend.errors import InvalidRequest
 from voxbackend.sampling_params import SamplingParams
-from voxbackend.triton.schema import AUDIO_FORMATS, DEFAULT_AUDIO_FORMAT, SAMPLING_FIELDS, TensorSpec
+from voxbackend.triton.schema import AUDIO_FORMATS, DEFAULT_AUDIO_FORMAT, MODEL_INPUTS, SAMPLING_FIELDS, TensorSpec
 
 Getter = Callable[[str], "np.ndarray | None"]
 
@@ -21,7 +20,8 @@ Getter = Callable[[str], "np.ndarray | None"]
 def _single(name: str, value: np.ndarray) -> np.generic | bytes:
     # dims are [1] in the configs; a client sending [1, 1] or [0] gets a clear message, not an IndexError
     if value.size != 1:
-        raise InvalidRequest(f"{name} must hold exactly one element, got shape {list(value.shape)}")
+        raise InvalidRequest(f"{name} must hold exactly one element, got shape {list(value.shape)}",
+                             field=engine_field(name))
     return value.reshape(-1)[0]
 
 
@@ -29,23 +29,24 @@ def string_field(get: Getter, name: str, required: bool = False) -> str | None:
     value = get(name)
     if value is None:
         if required:
-            raise InvalidRequest(f"{name} is required")
+            raise InvalidRequest(f"{name} is required", field=engine_field(name))
         return None
     item = _single(name, value)
     if isinstance(item, str):
         return item
     if not isinstance(item, (bytes, np.bytes_)):
-        raise InvalidRequest(f"{name} must be a UTF-8 string (BYTES), got {value.dtype}")
+        raise InvalidRequest(f"{name} must be a UTF-8 string (BYTES), got {value.dtype}", field=engine_field(name))
     try:
         return bytes(item).decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InvalidRequest(f"{name} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        raise InvalidRequest(f"{name} is not valid UTF-8 ({e.reason} at byte {e.start})",
+                             field=engine_field(name)) from None
 
 
 def text_field(get: Getter) -> str:
     text = string_field(get, "TEXT", required=True)
     if not text.strip():
-        raise InvalidRequest("TEXT is empty")
+        raise InvalidRequest("TEXT is empty", field="text")
     return text
 
 
@@ -62,7 +63,7 @@ def prepare_request(get: Getter, model, specs: tuple[TensorSpec, ...]) -> list:
     try:
         return model.prepare(text, **kwargs)
     except InvalidRequest as e:
-        raise InvalidRequest(_input_names(str(e), specs)) from None
+        raise _for_client(e, specs) from None
 
 
 def prepare_kwargs(get: Getter, specs: tuple[TensorSpec, ...]) -> dict:
@@ -100,7 +101,7 @@ def _numbers(spec: TensorSpec, value: np.ndarray) -> list:
     if value.dtype.kind not in ("iu" if integer else "iuf"):
         one = spec.dims == (1,)
         what = ("an integer" if one else "integers") if integer else ("a number" if one else "numbers")
-        raise InvalidRequest(f"{spec.name} must be {what}, got {value.dtype}")
+        raise InvalidRequest(f"{spec.name} must be {what}, got {value.dtype}", field=engine_field(spec.name))
     return [int(v) if integer else float(v) for v in value]
 
 
@@ -112,17 +113,17 @@ def _segments(get: Getter, group: list[TensorSpec]) -> list[dict] | None:
     for s in present:
         if values[s.name].ndim != 1:
             raise InvalidRequest(f"{s.name} must be a 1-D tensor (one element per segment), "
-                                 f"got shape {list(values[s.name].shape)}")
+                                 f"got shape {list(values[s.name].shape)}", field=engine_field(s.name))
     parts = [s for s in group if s.kind != "rate"]
     first = next((s for s in parts if values[s.name] is not None), present[0])
     n = len(values[first.name])
     for s in parts:
         if values[s.name] is None:
             raise InvalidRequest(f"{s.name} is missing: send {', '.join(p.name for p in parts)} together, "
-                                 f"one element per segment")
+                                 f"one element per segment", field=engine_field(s.name))
         if len(values[s.name]) != n:
             raise InvalidRequest(f"{s.name} has {len(values[s.name])} element(s) but {first.name} has {n}: "
-                                 f"send one element per segment in each")
+                                 f"send one element per segment in each", field=engine_field(s.name))
     rate = next((s for s in present if s.kind == "rate"), None)
     rates = _rates(rate, values[rate.name], n) if rate else None
     out: list[dict] = [{} for _ in range(n)]
@@ -144,7 +145,8 @@ def _segments(get: Getter, group: list[TensorSpec]) -> list[dict] | None:
 def _rates(spec: TensorSpec, value: np.ndarray, n: int) -> list[int]:
     rates = _numbers(spec, value)
     if len(rates) not in (1, n):
-        raise InvalidRequest(f"{spec.name} needs 1 or {n} element(s) (one per segment), got {len(rates)}")
+        raise InvalidRequest(f"{spec.name} needs 1 or {n} element(s) (one per segment), got {len(rates)}",
+                             field=engine_field(spec.name))
     return rates * n if len(rates) == 1 else rates
 
 
@@ -154,31 +156,60 @@ def _audio(spec: TensorSpec, value: np.ndarray, raw: bool) -> list[bytes | np.nd
     out = []
     for i, item in enumerate(value):
         if not isinstance(item, (bytes, np.bytes_)):
-            raise InvalidRequest(f"{spec.name}[{i}] must be BYTES, got {type(item).__name__}")
+            raise InvalidRequest(f"{spec.name}[{i}] must be BYTES, got {type(item).__name__}",
+                                 field=engine_field(f"{spec.name}[{i}]"))
         data = bytes(item)
         if raw:
             if len(data) % 4:
                 raise InvalidRequest(f"{spec.name}[{i}]: raw float32 samples need a multiple of 4 bytes, "
-                                     f"got {len(data)}")
+                                     f"got {len(data)}", field=engine_field(f"{spec.name}[{i}]"))
             data = np.frombuffer(data, dtype="<f4").astype(np.float32)
         out.append(data)
     return out
 
 
-def _input_names(message: str, specs: tuple[TensorSpec, ...]) -> str:
-    """A model's message speaks in prepare() argument names; the client sent tensor names."""
-    if message.startswith("text "):
-        return "TEXT" + message[4:]
+def engine_field(tensor: str) -> str:
+    """A tensor name (CONTEXT_AUDIO[1] included) -> the engine-side field it fills (context[1].audio)."""
+    name, bracket, index = tensor.partition("[")
+    index = index.rstrip("]")
+    if name in SAMPLING_FIELDS:
+        return SAMPLING_FIELDS[name]
+    for spec in (s for group in MODEL_INPUTS.values() for s in group):
+        if spec.name == name:
+            if not spec.segment:
+                return spec.arg
+            return f"{spec.segment}[{index}].{spec.arg}" if bracket else spec.segment
+    return name.lower()  # TEXT, AUDIO_FORMAT, PROMPT_IDS
+
+
+def _tensor_name(field: str, specs: tuple[TensorSpec, ...]) -> str | None:
+    """An engine-side field (InvalidRequest.field) -> the tensor the client sent, or None if it has none."""
+    if field == "text":
+        return "TEXT"
+    tensor = {attr: name for name, attr in SAMPLING_FIELDS.items()}.get(field)
+    if tensor:
+        return tensor
+    segment, bracket, rest = field.partition("[")
+    index, _, arg = rest.partition("].")
     for s in specs:
         if s.kind == "rate":
             continue
-        if s.segment:
-            prefix = re.match(rf"{s.segment}\[(\d+)\]\.{s.arg}\b", message)
-            if prefix:
-                return f"{s.name}[{prefix.group(1)}]" + message[prefix.end():]
-        elif message.startswith(s.arg + " "):
-            return s.name + message[len(s.arg):]
-    return message
+        if s.segment and bracket and segment == s.segment and arg == s.arg and index.isdigit():
+            return f"{s.name}[{index}]"
+        if not s.segment and field == s.arg:
+            return s.name
+    return None
+
+
+def _for_client(e: InvalidRequest, specs: tuple[TensorSpec, ...] = ()) -> InvalidRequest:
+    """The engine's message speaks in engine-side names (e.field); the client sent tensor names."""
+    field = (e.field or "").partition(" ")[0]  # "context[0].audio sample_rate": the field, then a qualifier
+    tensor = _tensor_name(field, specs) if field else None
+    if tensor is None:
+        return e
+    message = str(e)
+    message = tensor + message[len(field):] if message.startswith(field) else f"{tensor}: {message}"
+    return InvalidRequest(message, field=e.field)
 
 
 def sampling(get: Getter, defaults: SamplingParams) -> SamplingParams:
@@ -189,7 +220,7 @@ def sampling(get: Getter, defaults: SamplingParams) -> SamplingParams:
         if value is not None:
             item = _single(tensor_name, value)
             if not isinstance(item, (np.integer, np.floating, int, float)) or isinstance(item, (bool, np.bool_)):
-                raise InvalidRequest(f"{tensor_name} must be a number, got {value.dtype}")
+                raise InvalidRequest(f"{tensor_name} must be a number, got {value.dtype}", field=attr)
             if isinstance(item, np.float32):
                 # FP32 on the wire: take the shortest decimal that rounds to it (0.6, not 0.6000000238)
                 item = float(str(item))
@@ -197,14 +228,20 @@ def sampling(get: Getter, defaults: SamplingParams) -> SamplingParams:
     try:
         return dataclasses.replace(defaults, **overrides).validated()
     except InvalidRequest as e:
-        raise InvalidRequest(_tensor_names(str(e))) from None
+        raise _for_client(e) from None
 
 
 def audio_format(get: Getter) -> str:
     fmt = (string_field(get, "AUDIO_FORMAT") or DEFAULT_AUDIO_FORMAT).lower()
     if fmt not in AUDIO_FORMATS:
-        raise InvalidRequest(f"AUDIO_FORMAT must be one of {', '.join(AUDIO_FORMATS)}, got {fmt!r}")
+        raise InvalidRequest(f"AUDIO_FORMAT must be one of {', '.join(AUDIO_FORMATS)}, got {fmt!r}",
+                             field="audio_format")
     return fmt
+
+
+def cancel_probes(get: Getter) -> bool:
+    value = get("CANCEL_PROBES")
+    return bool(value is not None and value.size and value.reshape(-1)[0])
 
 
 def prompt_ids(get: Getter, columns: int = 1) -> list[int] | list[list[int]] | None:
@@ -213,11 +250,13 @@ def prompt_ids(get: Getter, columns: int = 1) -> list[int] | list[list[int]] | N
     if value is None:
         return None
     if value.ndim != 1 or value.size == 0:
-        raise InvalidRequest(f"PROMPT_IDS must be a non-empty 1-D INT64 tensor, got shape {list(value.shape)}")
+        raise InvalidRequest(f"PROMPT_IDS must be a non-empty 1-D INT64 tensor, got shape {list(value.shape)}",
+                             field="prompt_ids")
     if columns == 1:
         return [int(x) for x in value]
     if value.size % columns:
-        raise InvalidRequest(f"PROMPT_IDS must hold rows of {columns} ids (flattened), got {value.size} ids")
+        raise InvalidRequest(f"PROMPT_IDS must hold rows of {columns} ids (flattened), got {value.size} ids",
+                             field="prompt_ids")
     return value.astype(np.int64).reshape(-1, columns).tolist()
 
 
@@ -231,11 +270,3 @@ def sampling_tensors(params: SamplingParams) -> dict[str, np.ndarray]:
     dtypes = {"TEMPERATURE": np.float32, "TOP_P": np.float32, "TOP_K": np.int32, "MIN_P": np.float32,
               "REPETITION_PENALTY": np.float32, "MAX_TOKENS": np.int32, "SEED": np.int64}
     return {name: np.array([getattr(params, attr)], dtype=dtypes[name]) for name, attr in SAMPLING_FIELDS.items()}
-
-
-def _tensor_names(message: str) -> str:
-    # SamplingParams speaks in attribute names; the client sent tensor names
-    for tensor_name, attr in SAMPLING_FIELDS.items():
-        if message.startswith(attr + " "):
-            return tensor_name + message[len(attr):]
-    return message

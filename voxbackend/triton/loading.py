@@ -78,7 +78,7 @@ def call_in_child(spec: str) -> tuple[str, str | None]:
     module, _, name = spec.partition(":")
     code = (f"import json\nfrom {module} import {name} as make\nm, c = make()\n"
             "print(json.dumps([str(m), str(c) if c else None]))")
-    python = Path(sys.prefix) / "bin" / "python3"  # in the stub, sys.prefix is the venv (DESIGN section 6)
+    python = Path(sys.prefix) / "bin" / "python3"  # in the stub, sys.prefix is the venv (docs/triton.md)
     python = str(python) if python.is_file() else shutil.which("python3") or sys.executable
     done = subprocess.run([python, "-c", code], capture_output=True)  # bytes: the stub's locale may be ASCII
     stdout, stderr = (done.stdout.decode("utf-8", "replace"), done.stderr.decode("utf-8", "replace"))

@@ -1,7 +1,10 @@
 """Non-decoupled CPU model shared by every SpeechLM: float audio chunk -> requested encoding.
 
 It reads only engine outputs (the decoupled-origin rule of ensembles), which is why the engine passes
-AUDIO_FORMAT through. Each engine response, including the final one, passes through here once.
+AUDIO_FORMAT through. Each engine response, including the final one, passes through here once. A probe
+(FINISH_REASON "probe") exists only to reach this step, where a cancelled ensemble shows
+(request.is_cancelled(); see cancel_channel): it leaves as a response without tensors, which gives the
+ensemble no output to send, so the client never sees it.
 """
 from __future__ import annotations
 
@@ -10,8 +13,9 @@ import numpy as np
 from voxbackend.triton.audio_encoding import encode
 from voxbackend.triton.cancel_channel import send_cancel
 from voxbackend.triton.pb_glue import error_response, input_getter, response
+from voxbackend.triton.streams import PROBE
 
-PASSED_THROUGH = ("SAMPLE_RATE", "CHUNK_INDEX", "FINAL", "FINISH_REASON")
+PASSED_THROUGH = ("SAMPLE_RATE", "CHUNK_INDEX", "FINAL", "FINISH_REASON", "SEED_USED")
 
 
 def _string(value: np.ndarray | None) -> str:
@@ -33,16 +37,21 @@ class PostprocessModel:
         data = encode(get("AUDIO"), _string(get("AUDIO_FORMAT")))
         return {"AUDIO": np.array([data], dtype=np.object_), **{name: get(name) for name in PASSED_THROUGH}}
 
-    def execute(self, requests) -> list:
+    def execute(self, requests) -> None:
         pb = self.pb
-        responses = []
+        final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         for request in requests:
+            get = input_getter(pb, request)
+            sender = request.get_response_sender()
             if request.is_cancelled():
                 # the ensemble's client went away; Triton does not tell the running engine step (cancel_channel)
-                send_cancel(_string(input_getter(pb, request)("STREAM_ID")))
+                send_cancel(_string(get("STREAM_ID")))
+            if _string(get("FINISH_REASON")) == PROBE:
+                sender.send(flags=final)  # no response: the ensemble has nothing to forward
+                continue
             try:
-                out = self.outputs(input_getter(pb, request))
-                responses.append(response(pb, out))
+                out = response(pb, self.outputs(get))
             except Exception as e:
-                responses.append(error_response(pb, f"audio postprocess failed: {type(e).__name__}: {e}"))
-        return responses
+                out = error_response(pb, f"audio postprocess failed: {type(e).__name__}: {e}")
+            sender.send(out, flags=final)
+        return None

@@ -35,6 +35,7 @@ class PreprocessModel:
             "PROMPT_IDS": fields.flat_prompt(ids),
             **fields.sampling_tensors(sampling),
             "AUDIO_FORMAT": np.array([fmt.encode()], dtype=np.object_),
+            "CANCEL_PROBES": np.array([True]),  # behind the ensemble: the engine cannot see our client leave
         }
 
     def execute(self, requests) -> list:

@@ -52,6 +52,10 @@ _FORMAT_SPEC = TensorSpec("AUDIO_FORMAT", "STRING", optional=True, doc='"pcm16" 
 _TEXT_SPEC = TensorSpec("TEXT", "STRING", optional=True,
                         doc="UTF-8 text to speak; required (optional here so a missing TEXT gets our clear error)")
 
+# Set by the preprocess, so only streams behind an ensemble get probes (see cancel_channel).
+_PROBE_DOC = ("true: while the stream has nothing to send (e.g. queued), the engine sends a probe response now "
+              "and then; audio_postprocess relays a cancelled ensemble's probe to the engine and drops every probe")
+
 # Each model's own inputs, by request-schema name (ServedModel.inputs; the `request_inputs` config parameter).
 MODEL_INPUTS: dict[str, tuple[TensorSpec, ...]] = {
     "voice": (
@@ -90,6 +94,7 @@ def engine_inputs(model_inputs: tuple[TensorSpec, ...] = MODEL_INPUTS["voice"]) 
         *model_inputs,
         *_SAMPLING_SPECS,
         _FORMAT_SPEC,
+        TensorSpec("CANCEL_PROBES", "BOOL", optional=True, doc=_PROBE_DOC),
     )
 
 
@@ -102,6 +107,7 @@ PREPROCESS_OUTPUTS = (
                doc="prompt token ids; multi-column models (CSM): rows of token_columns ids, flattened"),
     *(TensorSpec(s.name, s.dtype, doc=s.doc) for s in _SAMPLING_SPECS),
     TensorSpec("AUDIO_FORMAT", "STRING", doc="passed through the engine to the postprocess"),
+    TensorSpec("CANCEL_PROBES", "BOOL", doc=_PROBE_DOC),
 )
 
 # Per-chunk metadata, on every response of the engine and the ensemble.
@@ -110,6 +116,8 @@ _CHUNK_META = (
     TensorSpec("CHUNK_INDEX", "INT32", doc="0, 1, ... ; on the final response: number of audio chunks"),
     TensorSpec("FINAL", "BOOL", doc="true on the last response of the stream (its AUDIO is empty)"),
     TensorSpec("FINISH_REASON", "STRING", doc='"" on chunks; "stop", "length" or "cancelled" on the final one'),
+    TensorSpec("SEED_USED", "INT64", doc="the request's sampling seed (its SEED, or the one the server drew): "
+               "sent back as SEED it reproduces the audio (an ensemble cannot have an output named like an input)"),
 )
 
 ENGINE_OUTPUTS = (

@@ -1,13 +1,14 @@
 """Find, start, wait for and stop a tritonserver that serves a voxbackend model repository.
 
 Works with the NGC container (/opt/tritonserver) and with the `nvidia-pytriton` wheel (CPU machines, tests).
-What the wheel needs (DESIGN section 6): a backend directory holding the Python stub built for this Python,
+What the wheel needs (docs/triton.md, Launcher): a backend directory holding the Python stub built for this Python,
 the current interpreter's bin/ first on PATH (the stub takes sys.prefix from the first python3 there and
 ignores PYTHONPATH), and the wheel's bundled libraries on LD_LIBRARY_PATH.
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,6 +19,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from voxbackend.triton.cancel_channel import send_shutdown
 
 NGC_ROOT = Path("/opt/tritonserver")
 
@@ -73,6 +76,36 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
     libs = [str(p) for p in install.lib_dirs if p.is_dir()]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p])
     return env
+
+
+IDLE_TICKS_PER_S = 5  # CPU clock ticks (1/100 s) per second below which a stub counts as idle
+
+
+def stub_cpu_ticks(server_pid: int) -> dict[int, int]:
+    """pid -> user + system CPU ticks so far, for each stub of the server."""
+    ticks = {}
+    for pid in stub_pids(server_pid):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks[pid] = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+        except (OSError, IndexError, ValueError):
+            continue
+    return ticks
+
+
+def stub_pids(server_pid: int) -> list[int]:
+    """The Python backend stubs the server started (its children running triton_python_backend_stub).
+
+    Reads the server's own /proc children lists (cheap: this runs while a loaded machine unloads models)."""
+    pids = []
+    for children in Path(f"/proc/{server_pid}/task").glob("*/children"):
+        try:
+            for pid in children.read_text().split():
+                if b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    pids.append(int(pid))
+        except OSError:
+            continue  # exited while we looked
+    return pids
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -166,6 +199,14 @@ class TritonServer:
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s:\n{self.log_tail()}")
 
+    def _log_since(self, offset: int, text: str) -> bool:
+        try:
+            with open(self.log_file, "rb") as f:
+                f.seek(offset)
+                return text.encode() in f.read()
+        except OSError:
+            return False
+
     def log_tail(self, lines: int = 60) -> str:
         try:
             return "\n".join(Path(self.log_file).read_text(errors="replace").splitlines()[-lines:])
@@ -173,23 +214,74 @@ class TritonServer:
             return "(no log)"
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGINT (models are unloaded, finalize() runs), then SIGKILL to the group if it hangs."""
+        """End every stream, SIGINT (models are unloaded, finalize() runs), SIGKILL to the group if it hangs.
+
+        Returns the exit code, or 0 when every stream ended and every model that can unload did, and only
+        Triton's own bookkeeping kept the process alive: in 2.51 a request Triton refused (wrong dtype or shape)
+        and the client then cancelled keeps its model (ensemble or not) from unloading, and the process would
+        wait out --exit-timeout-secs and exit 1.
+        """
         if self.proc is None:
             return None
+        code = None
         if self.proc.poll() is None:
+            had_stubs = bool(stub_pids(self.proc.pid))
+            if send_shutdown(self.proc.pid):  # streams end now: SIGINT would wait for every in-flight request
+                self._wait_streams_closed()
+            since = Path(self.log_file).stat().st_size
             self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+            code = self._wait_unloaded(timeout, had_stubs, since)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # stray stubs of this server's group, if any
         except ProcessLookupError:
             pass
+        self.proc.wait(10)
         self._log.close()
-        code, self.proc = self.proc.returncode, None
+        code = self.proc.returncode if code is None else code
+        self.proc = None
         return code
+
+    def _wait_streams_closed(self, timeout: float = 5.0, settle_s: float = 0.3) -> None:
+        """Until the engines report no open stream, then a moment for the final responses to pass the ensemble's
+        postprocess (once SIGINT arrives, Triton refuses new step requests, final ones included)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                text = urllib.request.urlopen(self.metrics_url, timeout=2).read().decode()
+            except OSError:
+                break
+            open_streams = sum(float(v) for v in re.findall(r"^voxbackend_active_streams(?:\{[^}]*\})? (\S+)$",
+                                                            text, re.MULTILINE))
+            if open_streams == 0:
+                break
+            time.sleep(0.1)
+        time.sleep(settle_s)
+
+    def _wait_unloaded(self, timeout: float, had_stubs: bool, log_offset: int, settle_s: float = 2.0) -> int | None:
+        """Wait for the process to exit. 0 (clean) if it is still there once Triton has no request in flight and
+        its remaining model stubs (none, or those of models it keeps alive for a leaked request) sat idle for
+        settle_s: every stream has ended and every model that can unload has."""
+        deadline = time.monotonic() + timeout
+        window: tuple[float, dict[int, int]] | None = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return None
+            busy = stub_cpu_ticks(self.proc.pid)
+            if not had_stubs or not self._log_since(log_offset, "Found 0 model versions that have in-flight"):
+                window = None
+            elif window is None or set(window[1]) != set(busy):
+                window = (time.monotonic(), busy)
+            elif time.monotonic() - window[0] >= settle_s:
+                used = sum(busy[p] - window[1][p] for p in busy)
+                if used <= IDLE_TICKS_PER_S * settle_s * max(1, len(busy)):
+                    with open(self.log_file, "a") as log:
+                        log.write(f"voxbackend: every stream ended and every model that can unload did; "
+                                  f"{len(busy)} idle stub(s) of models Triton 2.51 keeps alive for a request it "
+                                  "refused and the client cancelled; ending the server\n")
+                    return 0
+                window = (time.monotonic(), busy)
+            time.sleep(0.25)
+        return None  # timed out: killed below, its code reported
 
     def close(self) -> int | None:
         """stop() and remove the temporary work folder (log included) if this object made one."""

@@ -1,9 +1,10 @@
 """The one response thread of an engine model instance.
 
 The engine thread only puts events into a queue (never blocks on Triton); this thread turns them into
-responses, polls every open stream's is_cancelled() and cancels in the engine, updates the metrics, and ends
-every stream with exactly one final response even when the engine dies. One sender thread, not one per
-request: concurrent sends from many threads crashed the Python backend stub (DESIGN section 6).
+responses, polls every open stream's is_cancelled() and cancels in the engine, sends probes for streams behind
+an ensemble that have nothing to send (cancel_channel), updates the metrics, and ends every stream with exactly
+one final response even when the engine dies. One sender thread, not one per
+request: concurrent sends from many threads crashed the Python backend stub.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import numpy as np
 from voxbackend.events import Event, EventKind
 
 log = logging.getLogger("voxbackend.triton")
+PROBE = "probe"  # FINISH_REASON of a probe response: no audio, dropped by audio_postprocess
+SHUTDOWN = "shutdown"  # FINISH_REASON of streams ended because the server is stopping
 
 
 class Responder(Protocol):
@@ -53,6 +56,9 @@ class Stream:
     arrived: float  # clock time the request reached this model
     sample_rate: int
     stream_id: str = ""  # sent with every response (see cancel_channel)
+    seed: int = 0  # the request's sampling seed, returned with every response
+    probes: bool = False  # behind an ensemble: probe while there is nothing to send (see cancel_channel)
+    last_sent: float | None = None  # clock time of the last response (None: none yet)
     chunks: int = 0
     first_sent: float | None = None
     audio_s: float = 0.0  # audio sent so far, seconds
@@ -75,6 +81,11 @@ class _Cancel:
 
 
 @dataclass
+class _Shutdown:
+    pass
+
+
+@dataclass
 class ResponseLoop:
     engine: object  # cancel(), stats(), alive
     metrics: Metrics = field(default_factory=NullMetrics)
@@ -82,6 +93,7 @@ class ResponseLoop:
     cancel_check_s: float = 0.1  # is_cancelled() is an IPC round trip per stream: not on every poll
     gauge_s: float = 0.25  # how often engine.stats() is read
     cancel_grace_s: float = 30.0  # a cancelled stream the engine never finishes is closed by us
+    probe_s: float = 0.4  # a probing stream silent this long gets a probe: a dead ensemble client is seen within 1 s
     clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
@@ -90,6 +102,7 @@ class ResponseLoop:
         self._thread: threading.Thread | None = None
         self._last_gauges = 0.0
         self._last_cancel_check = 0.0
+        self.closing = False  # set by request_shutdown: every stream, open or new, ends at once
 
     # --- called from execute() (Triton's thread) ---
     def add(self, stream: Stream) -> None:
@@ -102,6 +115,14 @@ class ResponseLoop:
     def request_cancel(self, request_id: str) -> None:
         """Cancel from outside Triton's own signal (the ensemble's postprocess, via cancel_channel)."""
         self._queue.put(_Cancel(request_id))
+
+    def request_shutdown(self) -> None:
+        """The server is stopping (the launcher, via cancel_channel): end every stream with a final response.
+
+        A normal final response (FINISH_REASON "shutdown"), not an error: Triton 2.51 keeps an ensemble whose
+        decoupled step failed mid-stream counted as in flight, and SIGINT waits for in-flight requests."""
+        self.closing = True
+        self._queue.put(_Shutdown())
 
     # --- called from the engine thread: must not block ---
     def on_event(self, event: Event) -> None:
@@ -127,7 +148,7 @@ class ResponseLoop:
     def _run(self) -> None:
         while True:
             try:
-                item = self._queue.get(timeout=self.poll_s)
+                item = self._queue.get(timeout=self.poll_s if not self.closing else 0.5)  # stopping: stay quiet
             except queue.Empty:
                 item = None
             try:
@@ -141,9 +162,15 @@ class ResponseLoop:
             except Exception:  # never let the sender die: every open stream would hang
                 log.exception("response loop error")
 
-    def _handle(self, item: _Add | _Cancel | Event) -> None:
+    def _handle(self, item: _Add | _Cancel | _Shutdown | Event) -> None:
         if isinstance(item, _Add):
             self._streams[item.stream.request_id] = item.stream
+            if self.closing:
+                self._end_for_shutdown(item.stream)
+            return
+        if isinstance(item, _Shutdown):
+            for s in list(self._streams.values()):
+                self._end_for_shutdown(s)
             return
         if isinstance(item, _Cancel):
             s = self._streams.get(item.request_id)
@@ -168,16 +195,24 @@ class ResponseLoop:
             s.first_sent = now
             self.metrics.first_audio(now - s.arrived)
         elif s.audio_s <= now - s.first_sent:
-            self.metrics.late_chunk()  # the listener's buffer ran dry before this chunk (DESIGN section 4)
+            self.metrics.late_chunk()  # the listener's buffer ran dry before this chunk (docs/metrics.md)
         s.audio_s += audio.size / s.sample_rate
         self._safe_send(s, self._outputs(s, audio, s.chunks, final=False, reason=""), None, final=False)
         s.chunks += 1
+
+    def _send_probe(self, s: Stream) -> None:
+        empty = np.zeros(0, dtype=np.float32)
+        self._safe_send(s, self._outputs(s, empty, s.chunks, final=False, reason=PROBE), None, final=False)
 
     def _finish(self, s: Stream, reason: str) -> None:
         self._streams.pop(s.request_id, None)
         self.metrics.finished(reason)
         empty = np.zeros(0, dtype=np.float32)
         self._safe_send(s, self._outputs(s, empty, s.chunks, final=True, reason=reason), None, final=True)
+
+    def _end_for_shutdown(self, s: Stream) -> None:
+        self.engine.cancel(s.request_id)
+        self._finish(s, SHUTDOWN)
 
     def _fail(self, s: Stream, message: str) -> None:
         self._streams.pop(s.request_id, None)
@@ -193,9 +228,11 @@ class ResponseLoop:
             "FINISH_REASON": np.array([reason.encode()], dtype=np.object_),
             "AUDIO_FORMAT": np.array([s.audio_format.encode()], dtype=np.object_),
             "STREAM_ID": np.array([s.stream_id.encode()], dtype=np.object_),
+            "SEED_USED": np.array([s.seed], dtype=np.int64),
         }
 
     def _safe_send(self, s: Stream, outputs, error: str | None, final: bool) -> None:
+        s.last_sent = self.clock()
         try:
             s.responder.send(outputs, error, final)
         except Exception as e:  # a client that went away must not take the loop down
@@ -214,6 +251,8 @@ class ResponseLoop:
                 if check and self._cancelled(s):
                     s.cancel_at = now
                     self.engine.cancel(s.request_id)
+                elif s.probes and now - (s.last_sent or s.arrived) >= self.probe_s:
+                    self._send_probe(s)
             elif now - s.cancel_at > self.cancel_grace_s:
                 log.warning("engine did not finish cancelled request %s; closing it", s.request_id)
                 self._finish(s, "cancelled")

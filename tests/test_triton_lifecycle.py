@@ -1,0 +1,237 @@
+"""A real tritonserver with the weights-free fake engine: dead clients leave the queue at once, and `voxbackend serve`
+stops cleanly in any state (streams running, queued, cancelled, refused).
+
+The engine holds one stream at a time (max_batch 1), so every other request waits in its queue.
+"""
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import tritonclient.grpc as tritonclient  # noqa: E402
+
+from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
+from voxbackend.triton import configs  # noqa: E402
+from voxbackend.triton.server import free_port  # noqa: E402
+from tests.triton_util import serve  # noqa: E402
+
+FAKE = {
+    "checkpoint": "unused",  # the fake ignores it; a non-empty value skips building the default checkpoint
+    "engine_loader": "voxbackend.triton.fake_engine:load",
+    "frontend_loader": "voxbackend.triton.fake_engine:load_frontend",
+    "max_batch": "1",
+    "max_queue": "8",
+}
+QUEUED = 5
+
+CLIENT = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import tritonclient.grpc as grpcclient
+from clients.tts_stream import make_inputs
+client = grpcclient.InferenceServerClient(sys.argv[2])
+client.start_stream(callback=lambda result, error: None)
+client.async_stream_infer(sys.argv[3], make_inputs(sys.argv[4], MAX_TOKENS=70), enable_empty_final_response=True)
+print("sent", flush=True)
+time.sleep(600)
+"""
+
+
+def metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.MULTILINE))
+
+
+def wait_for(predicate, timeout: float, step: float = 0.05) -> float | None:
+    """Seconds until predicate() held, or None after timeout."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if predicate():
+            return time.monotonic() - t0
+        time.sleep(step)
+    return None
+
+
+class LongStream:
+    """A direct engine stream that holds the engine (the fake sends one chunk per prompt id) until stopped."""
+
+    def __init__(self, url: str, ids: int = 2000):
+        self.client = tritonclient.InferenceServerClient(url)
+        self.responses = 0
+        self.client.start_stream(callback=lambda result, error: setattr(self, "responses", self.responses + 1))
+        prompt = tritonclient.InferInput("PROMPT_IDS", [ids], "INT64")
+        prompt.set_data_from_numpy(np.full(ids, 97, np.int64))
+        self.client.async_stream_infer("orpheus_engine", [prompt, *make_inputs(None, MAX_TOKENS=7 * ids)],
+                                       enable_empty_final_response=True)
+
+    def stop(self) -> None:
+        self.client.stop_stream(cancel_requests=True)
+        self.client.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = configs.write_repository(tmp_path_factory.mktemp("repo") / "model_repository", FAKE, models=["orpheus"])
+    yield from serve(repo, tmp_path_factory.mktemp("triton"))
+
+
+# ---------------------------------------------------------------- dead clients leave the queue
+
+
+def _queue_clients_in_subprocesses(server, model: str) -> list[subprocess.Popen]:
+    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, str(ROOT), server.grpc_url, model, f"queued {i}"],
+                              stdout=subprocess.PIPE, text=True) for i in range(QUEUED)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "sent"
+    return procs
+
+
+def _queue_clients_here(server, model: str) -> list:
+    clients = []
+    for i in range(QUEUED):
+        c = tritonclient.InferenceServerClient(server.grpc_url)
+        c.start_stream(callback=lambda result, error: None)
+        c.async_stream_infer(model, make_inputs(f"queued {i}", MAX_TOKENS=70), enable_empty_final_response=True)
+        clients.append(c)
+    return clients
+
+
+@pytest.mark.parametrize("how", ["kill -9", "close the stream"])
+@pytest.mark.parametrize("model", ["orpheus", "orpheus_engine"])
+def test_dead_queued_clients_leave_the_queue_within_a_second(server, model, how):
+    queued = lambda: metric(server.metrics_url, "voxbackend_queued_requests")  # noqa: E731
+    long = LongStream(server.grpc_url)
+    try:
+        assert wait_for(lambda: long.responses > 0, 30) is not None, "the long stream did not start"
+        if how == "kill -9":
+            procs = _queue_clients_in_subprocesses(server, model)
+        else:
+            clients = _queue_clients_here(server, model)
+        assert wait_for(lambda: queued() == QUEUED, 30) is not None, f"not {QUEUED} queued: {queued()}"
+        t0 = time.monotonic()
+        if how == "kill -9":
+            for p in procs:
+                p.send_signal(signal.SIGKILL)
+            for p in procs:
+                p.wait(10)
+        else:
+            for c in clients:
+                c.stop_stream(cancel_requests=True)
+                c.close()
+        gone = wait_for(lambda: queued() == 0, 10)
+        assert gone is not None, f"{queued()} dead clients still hold queue slots after 10 s"
+        assert time.monotonic() - t0 < 1.0, f"the queue emptied {time.monotonic() - t0:.2f} s after the clients died"
+        # a live client is served next, not refused for a full queue
+        out = stream_request(server.grpc_url, model, make_inputs("after the dead ones", MAX_TOKENS=70), timeout=1,
+                             linger_s=0)
+        assert out.error is None or "timed out" in out.error, out.error  # still queued behind the long stream
+    finally:
+        long.stop()
+    assert wait_for(lambda: metric(server.metrics_url, "voxbackend_active_streams") == 0, 10) is not None
+
+
+# ---------------------------------------------------------------- voxbackend serve stops cleanly
+
+
+def _stubs_of(work_dir: Path) -> list[int]:
+    """Processes whose command line names the work folder: the server's model stubs (and the server)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(work_dir).encode() in cmdline.read_bytes():
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _queued_then_cancelled(url: str, model: str) -> None:
+    client = tritonclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: None)
+    client.async_stream_infer(model, make_inputs("cancelled while queued", MAX_TOKENS=70),
+                              enable_empty_final_response=True)
+    time.sleep(0.3)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+
+
+def _refused_then_cancelled(url: str, model: str) -> str | None:
+    """A request Triton refuses (wrong dtype), whose client then cancels: Triton 2.51 keeps it counted."""
+    text = tritonclient.InferInput("TEXT", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"hello"], dtype=np.object_))
+    bad = tritonclient.InferInput("TEMPERATURE", [1], "FP64")
+    bad.set_data_from_numpy(np.array([0.5], np.float64))
+    errors: list = []
+    client = tritonclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: errors.append(error))
+    client.async_stream_infer(model, [text, bad], enable_empty_final_response=True)
+    wait_for(lambda: errors, 10)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    return str(errors[0]) if errors and errors[0] is not None else None
+
+
+def test_serve_stops_cleanly_with_streams_running_queued_cancelled_and_refused(tmp_path):
+    ports = [free_port() for _ in range(3)]
+    cmd = [sys.executable, "-m", "voxbackend.cli", "serve", "--models", "orpheus", "--work-dir", str(tmp_path),
+           "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
+           *[arg for k, v in {**FAKE, "max_batch": "2"}.items() for arg in ("--set", f"{k}={v}")]]
+    serve_proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(serve_proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        assert wait_for(lambda: any(line.startswith("ready:") for line in lines), 300, 0.2) is not None, lines
+        ready = next(line for line in lines if line.startswith("ready:"))
+        assert f"grpc 127.0.0.1:{ports[1]}" in ready, ready  # loopback unless --host says otherwise
+        url, metrics_url = f"127.0.0.1:{ports[1]}", f"http://127.0.0.1:{ports[2]}/metrics"
+        long_text = "a long stream " * 28
+        outs: dict[str, StreamOutcome] = {}
+
+        def stream(name: str, model: str, text: str, **kw) -> threading.Thread:
+            t = threading.Thread(target=lambda: outs.__setitem__(name, stream_request(
+                url, model, make_inputs(text, MAX_TOKENS=7000), timeout=60, **kw)))
+            t.start()
+            return t
+
+        threads = [stream("running ensemble", "orpheus", long_text), stream("running direct", "orpheus_engine",
+                                                                             long_text)]
+        assert wait_for(lambda: metric(metrics_url, "voxbackend_kv_pages_used") > 0
+                        and metric(metrics_url, "voxbackend_active_streams") == 2, 30) is not None
+        for model in ("orpheus", "orpheus_engine"):
+            _queued_then_cancelled(url, model)
+        threads += [stream("queued ensemble", "orpheus", "queued one"),
+                    stream("queued direct", "orpheus_engine", "queued two")]
+        refused = [_refused_then_cancelled(url, m) for m in ("orpheus", "orpheus_engine")]
+        assert all(r and "data-type is 'FP64'" in r for r in refused), refused
+        assert wait_for(lambda: metric(metrics_url, "voxbackend_queued_requests") >= 2, 30) is not None
+        t0 = time.monotonic()
+        serve_proc.send_signal(signal.SIGINT)
+        code = serve_proc.wait(60)
+        took = time.monotonic() - t0
+        for t in threads:
+            t.join(30)
+    finally:
+        if serve_proc.poll() is None:
+            serve_proc.kill()
+    log = "".join(lines)
+    assert code == 0, log[-3000:]
+    assert took < 10, f"voxbackend serve took {took:.1f} s to stop:\n{log[-3000:]}"
+    assert "stopped (exit 0)" in log
+    for name in ("running ensemble", "running direct", "queued ensemble", "queued direct"):
+        out = outs[name]
+        assert out.error is None and out.finish_reason == "shutdown" and out.late_responses == 0, (name, out.error)
+    assert outs["running ensemble"].chunks and outs["running direct"].chunks
+    assert wait_for(lambda: not _stubs_of(tmp_path), 5) is not None, f"left behind: {_stubs_of(tmp_path)}"
