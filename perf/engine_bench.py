@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import functools
 import json
 import math
@@ -387,8 +388,20 @@ def share_summary(internals: dict[str, tuple[float, int]], wall: float) -> str:
         return 100 * sum(v[0] for k, v in internals.items() if k.startswith(prefixes)) / wall
 
     model, codec, sampling = pct("LM "), pct("codec"), pct("sampling")
-    return (f"{model:.0f}% inside the LM (backbone forward + audio-slice head), {codec:.0f}% in the codec, "
-            f"{sampling:.0f}% in sampling, {100 - model - codec - sampling:.0f}% elsewhere (Python, scheduling)")
+    return (f"{model + codec:.0f}% inside forward + head + codec: {model:.0f}% in the LM (backbone forward + "
+            f"audio-slice head), {codec:.0f}% in the codec, {sampling:.0f}% in sampling, "
+            f"{100 - model - codec - sampling:.0f}% elsewhere (Python, scheduling)")
+
+
+def share_percentages(internals: dict[str, tuple[float, int]], wall: float) -> dict[str, float]:
+    """Percent of the wall per group of wrapped calls (for the JSON summary and the A/B comparison)."""
+    def pct(*prefixes: str) -> float:
+        return 100 * sum(v[0] for k, v in internals.items() if k.startswith(prefixes)) / wall if wall else 0.0
+
+    out = {"forward": pct("LM forward"), "head": pct("LM head"), "codec": pct("codec"), "sampling": pct("sampling")}
+    out["forward+head+codec"] = out["forward"] + out["head"] + out["codec"]
+    out["elsewhere"] = 100 - out["forward+head+codec"] - out["sampling"]
+    return out
 
 
 def internals_lines(title: str, internals: dict[str, tuple[float, int]], wall: float,
@@ -429,6 +442,11 @@ def parse_args(argv: list[str] | None):
                     help="results file (default perf/results/<date>-<commit>-<machine>-engine_bench.md)")
     ap.add_argument("--profile", action="store_true",
                     help="after the measurements, cProfile one more engine burst at the largest stream count")
+    ap.add_argument("--json", type=Path, default=None, help="also write the summary (rows, ratios, shares) as JSON")
+    ap.add_argument("--ab-base", type=Path, default=None,
+                    help="A/B mode: a checkout of the base commit (git worktree add ... <commit>); runs this bench "
+                         "alternately on its voxbackend and on this one, in subprocesses, and writes one comparison")
+    ap.add_argument("--ab-reps", type=int, default=2, help="A/B mode: runs per side (the order alternates)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke mode: tiny model, streams 1,4, 42 tokens, one naive request per level")
     args = ap.parse_args(argv)
@@ -458,6 +476,8 @@ def main(argv: list[str] | None = None) -> Path:
         import csm_bench  # perf/csm_bench.py
 
         return csm_bench.run(args, *load_prompts(args.prompts), log)
+    if args.ab_base is not None:
+        return run_ab(args, argv)
     run_started = time.perf_counter()
     info = provenance.collect()
     cache = args.cache_dir or default_cache()
@@ -498,6 +518,7 @@ def main(argv: list[str] | None = None) -> Path:
     instrument_naive(naive, n_timers)
     rows: list[Row] = []
     shares: dict[int, str] = {}
+    share_pct: dict[int, dict[str, float]] = {}
     breakdown: list[str] = []
     raw: list[str] = []
     for n in args.stream_counts:
@@ -538,6 +559,7 @@ def main(argv: list[str] | None = None) -> Path:
             for k, (s, c) in b.internals.items():
                 merged[k] = (merged.get(k, (0.0, 0))[0] + s, merged.get(k, (0.0, 0))[1] + c)
         shares[n] = share_summary(merged, sum(b.wall for b in bursts))
+        share_pct[n] = share_percentages(merged, sum(b.wall for b in bursts))
         breakdown += internals_lines(f"Engine at {n} stream(s)", merged, sum(b.wall for b in bursts))
         breakdown += internals_lines(f"Naive, the requests it served at {n} stream(s)", n_timers.snapshot(),
                                      naive_wall, rest="generate() bookkeeping, logits processors, sampling")
@@ -624,7 +646,118 @@ def main(argv: list[str] | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
     log(f"wrote {out} (run took {run_seconds:.0f} s)")
+    if args.json is not None:
+        summary = dict(package=str(Path(voxbackend.__file__).parent), commit=info["commit"], size=args.size,
+                       rows=[dataclasses.asdict(r) for r in rows], ratios=rat, shares=share_pct,
+                       run_seconds=run_seconds)
+        args.json.write_text(json.dumps(summary, indent=1), encoding="utf-8")
     return out
+
+
+# ----------------------------------------------------------------------------- A/B: base commit vs this tree
+def _strip_ab(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--ab-base", "--ab-reps", "--out", "--json"):
+            skip = True
+            continue
+        if a.split("=", 1)[0] in ("--ab-base", "--ab-reps", "--out", "--json"):
+            continue
+        out.append(a)
+    return out
+
+
+def run_ab(args, argv: list[str] | None) -> Path:
+    """Run this bench alternately on the base checkout's voxbackend and on this tree's, one subprocess per run
+    (the same bench script and naive baseline both times), then write one table: x real time per side and run,
+    engine/naive ratios, the new/base engine ratio, and the shares of the wall at the largest stream count."""
+    import subprocess
+
+    base = args.ab_base.resolve()
+    if not (base / "voxbackend" / "__init__.py").is_file():
+        raise SystemExit(f"--ab-base {base}: no voxbackend package there")
+    info = provenance.collect()
+    base_commit = provenance.git_commit(base)
+    passthrough = _strip_ab(sys.argv[1:] if argv is None else list(argv))
+    tmp = Path(tempfile.mkdtemp(prefix="engine_ab-"))
+    runs: list[tuple[str, int, dict]] = []
+    started = time.perf_counter()
+    for rep in range(args.ab_reps):
+        order = ("base", "new") if rep % 2 == 0 else ("new", "base")
+        for side in order:
+            env = dict(os.environ)
+            if side == "base":
+                env["PYTHONPATH"] = str(base) + os.pathsep + env.get("PYTHONPATH", "")
+            js, md = tmp / f"{side}-{rep}.json", tmp / f"{side}-{rep}.md"
+            log(f"A/B run {rep + 1}/{args.ab_reps}: {side}")
+            subprocess.run([sys.executable, str(Path(__file__).resolve()), *passthrough, "--json", str(js),
+                            "--out", str(md)], env=env, check=True)
+            runs.append((side, rep, json.loads(js.read_text())))
+    seconds = time.perf_counter() - started
+    for side, _, r in runs:  # the subprocess really imported the package it was meant to
+        want = base if side == "base" else provenance.REPO_ROOT
+        if Path(r["package"]).resolve().parent != want:
+            raise SystemExit(f"{side} run imported voxbackend from {r['package']}, expected under {want}")
+    text = "\n".join(ab_markdown(runs, args, info, base_commit, seconds, passthrough))
+    out = args.out or HERE / "results" / provenance.result_filename(f"engine_ab-{args.size}", info)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    print(text)
+    log(f"wrote {out}")
+    return out
+
+
+def _xrt(run: dict, n: int, system: str) -> float:
+    return next(r["xrt"] for r in run["rows"] if r["streams"] == n and r["system"] == system)
+
+
+def ab_markdown(runs, args, info, base_commit: str, seconds: float, passthrough: list[str]) -> list[str]:
+    streams = sorted({int(n) for _, _, r in runs for n in r["ratios"]})
+    n_max = max(streams)
+    med = lambda xs: float(np.median(xs)) if xs else float("nan")  # noqa: E731
+    lines = [
+        f"# Engine A/B: base {base_commit[:8]} vs this tree (size `{args.size}`, CPU, random weights)",
+        "",
+        "Both sides run the same bench script (perf/engine_bench.py) and the same naive baseline; only the",
+        "voxbackend package differs (the base side imports the base checkout's). Runs alternate base/new, then",
+        "new/base, so drift in the machine's load hits both. x real time = audio s / wall s (higher is better);",
+        "engine/naive = the engine's x real time over the naive baseline's, measured in the same run.",
+        "",
+        "| run | side | " + " | ".join(f"{n} str: engine xRT | naive xRT | engine/naive" for n in streams)
+        + f" | {n_max} str: forward+head+codec % | sampling % | elsewhere % |",
+        "|---:|---|" + "---:|---:|---:|" * len(streams) + "---:|---:|---:|",
+    ]
+    for side, rep, r in runs:
+        sh = r["shares"][str(n_max)]
+        cells = [f"{_xrt(r, n, 'engine'):.3f} | {_xrt(r, n, 'naive'):.3f} | {r['ratios'][str(n)]:.2f}x"
+                 for n in streams]
+        lines.append(f"| {rep + 1} | {side} | " + " | ".join(cells)
+                     + f" | {sh['forward+head+codec']:.1f} | {sh['sampling']:.1f} | {sh['elsewhere']:.1f} |")
+    lines += ["", "Medians over the runs:", "",
+              "| streams | engine xRT base | engine xRT new | new/base | engine/naive base | engine/naive new |",
+              "|---:|---:|---:|---:|---:|---:|"]
+    for n in streams:
+        e = {s: med([_xrt(r, n, "engine") for side, _, r in runs if side == s]) for s in ("base", "new")}
+        q = {s: med([r["ratios"][str(n)] for side, _, r in runs if side == s]) for s in ("base", "new")}
+        lines.append(f"| {n} | {e['base']:.3f} | {e['new']:.3f} | **{e['new'] / e['base']:.2f}x** | "
+                     f"{q['base']:.2f}x | **{q['new']:.2f}x** |")
+    lines += ["", f"Shares of the engine's wall at {n_max} streams (median of the runs; target: forward + head + "
+              "codec >= 90%):", "", "| side | forward | head | codec | forward+head+codec | sampling | elsewhere |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for s in ("base", "new"):
+        keys = ("forward", "head", "codec", "forward+head+codec", "sampling", "elsewhere")
+        vals = [med([r["shares"][str(n_max)][k] for side, _, r in runs if side == s]) for k in keys]
+        lines.append(f"| {s} | " + " | ".join(f"{v:.1f}%" for v in vals) + " |")
+    lines += ["", "## Setup and provenance", "", *provenance.markdown_lines(info),
+              f"- base: commit {base_commit} (a `git worktree` checkout), imported through PYTHONPATH",
+              f"- load average at end: {provenance.load_average()} (the machine is shared: compare ratios)",
+              f"- whole A/B took {seconds:.0f} s; command: `python perf/engine_bench.py "
+              + " ".join(sys.argv[1:]) + "`",
+              f"- each run: `python perf/engine_bench.py {' '.join(passthrough)}` (see that script's Method)", ""]
+    return lines
 
 
 def profile_burst(engine, timers: Timers, n: int, prompts, args) -> list[str]:

@@ -121,12 +121,12 @@ def timings(lines: list[str], root: Path, gpu_name: str) -> None:
         with torch.inference_mode():
             for _ in range(3):
                 attn.plan(seqs)
-                m.candidate_logits(m.forward(ids, pos, attn), torch.zeros(batch, dtype=torch.long, device="cuda"))
+                m.candidate_logits(m.forward(ids, pos, attn), [0] * batch)
             torch.cuda.synchronize()
             t0, n = time.perf_counter(), 20
             for _ in range(n):
                 attn.plan(seqs)
-                m.candidate_logits(m.forward(ids, pos, attn), torch.zeros(batch, dtype=torch.long, device="cuda"))
+                m.candidate_logits(m.forward(ids, pos, attn), [0] * batch)
             torch.cuda.synchronize()
         step = (time.perf_counter() - t0) / n
         floor = f"{params * 2 / floor_bw * 1000:.2f}" if floor_bw else "n/a"

@@ -350,7 +350,7 @@ class Engine:
         if not sampled:
             return
         rows = hidden[torch.tensor(sample_rows, device=dev)]
-        logits, token_ids = self.model.candidate_logits(rows, torch.tensor([len(r.codes) for r in sampled], device=dev))
+        logits, token_ids = self.model.candidate_logits(rows, [len(r.codes) for r in sampled])
         batch = self._sampling_batch(sampled)
         steps = sample(logits, batch, token_ids)
         if self.model.spec.has_depth:  # the rest of each step's columns, all rows at once, on the device

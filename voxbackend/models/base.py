@@ -94,9 +94,9 @@ class SpeechModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def candidate_logits(self, hidden: torch.Tensor, codes_so_far: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def candidate_logits(self, hidden: torch.Tensor, codes_so_far: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits over the tokens that may come next, and their ids ([B, C] each, ids ascending per row; None =
-        the whole vocab).
+        the whole vocab). `codes_so_far` is each row's codec code count, on the host: no device read-back.
 
         A model whose next token must come from a small set (Orpheus: one codebook's 4096 codes or the stop
         token) computes and samples only that set, which is exact and much cheaper than the full vocab.
