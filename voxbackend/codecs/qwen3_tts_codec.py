@@ -295,6 +295,8 @@ class Qwen3TTSCodec(nn.Module):
         """Whole clips from fresh states: codes [B, T, 16] -> audio [B, T * 1920]."""
         self._check_shape(codes, 3)
         self._check_values(codes)
+        if codes.shape[1] == 0:
+            return torch.zeros(codes.shape[0], 0, dtype=self.codebooks.dtype, device=self.codebooks.device)
         return self._run(codes.to(self.codebooks.device), [self.new_state() for _ in range(codes.shape[0])],
                          [codes.shape[1]] * codes.shape[0])
 
