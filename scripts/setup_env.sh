@@ -20,6 +20,10 @@ for oracle in cosyvoice:cosyvoice-minicpmo==0.1.0 step_audio2:step-audio2==1.0.0
     "$VENV/bin/python" -m pip install -q --no-deps --target "$VENV/oracles/${oracle%%:*}" "${oracle#*:}"
   fi
 done
+# the Qwen3-TTS oracle (reference code ported to transformers 5); --no-deps because it declares torchaudio, sox,
+# onnxruntime, librosa and gradio, none of which its 12 Hz path uses (tests/qwen_tts_oracle.py stands in for them);
+# what it does import (transformers, einops, soundfile, numpy, huggingface_hub) comes with .[test]
+"$VENV/bin/python" -m pip install -q --no-deps "qwen-tts-hf==0.1.1.post1"
 # perf_analyzer (inside the tritonclient 2.51.0 wheel) links against libb64
 if ! ldconfig -p 2>/dev/null | grep -q libb64.so.0d; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

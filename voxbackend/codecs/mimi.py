@@ -60,21 +60,31 @@ def _piece(buf: torch.Tensor, slot: tuple[int, tuple[int, ...]]) -> torch.Tensor
     return buf[:, off:off + math.prod(shape)].view(buf.shape[0], *shape)
 
 
-class CausalConv1d(nn.Module):
-    """Stride-1 causal conv: left-pads with the inputs it saw last time (zeros at the stream start)."""
+def _rows_window(x: torch.Tensor, starts: torch.Tensor, n: int, dim: int = -1) -> torch.Tensor:
+    """x[b, ..., starts[b]:starts[b] + n, ...] along `dim` for every row b: each row's own slice."""
+    x = x.movedim(dim, -1)
+    idx = starts.view(-1, *([1] * (x.dim() - 1))) + torch.arange(n, device=x.device)
+    return x.gather(-1, idx.expand(*x.shape[:-1], n)).movedim(-1, dim)
 
-    def __init__(self, cin: int, cout: int, kernel: int, layout: _Layout, dilation: int = 1):
+
+class CausalConv1d(nn.Module):
+    """Stride-1 causal conv: left-pads with the inputs it saw last time (zeros at the stream start).
+
+    `ends` (optional, [B]): how many of the T input steps are real in each row; the rest is right padding of a
+    batch of unequal windows, whose outputs the caller drops and which must not enter the carried context."""
+
+    def __init__(self, cin: int, cout: int, kernel: int, layout: _Layout, dilation: int = 1, groups: int = 1):
         super().__init__()
-        self.conv = nn.Conv1d(cin, cout, kernel, dilation=dilation)
+        self.conv = nn.Conv1d(cin, cout, kernel, dilation=dilation, groups=groups)
         self.ctx = (kernel - 1) * dilation
         self.slot = layout.take(cin, self.ctx) if self.ctx else None
 
-    def forward(self, x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, buf: torch.Tensor, ends: torch.Tensor | None = None) -> torch.Tensor:
         if self.slot is None:
             return self.conv(x)
         prev = _piece(buf, self.slot)
         x = torch.cat([prev, x], dim=-1)
-        prev.copy_(x[..., x.shape[-1] - self.ctx:])
+        prev.copy_(x[..., x.shape[-1] - self.ctx:] if ends is None else _rows_window(x, ends, self.ctx))
         return self.conv(x)
 
 
@@ -89,14 +99,17 @@ class CausalConvTranspose1d(nn.Module):
         self.stride, self.tail = stride, kernel - stride
         self.slot = layout.take(cout, self.tail) if self.tail else None
 
-    def forward(self, x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, buf: torch.Tensor, ends: torch.Tensor | None = None) -> torch.Tensor:
+        """`ends` as in CausalConv1d; padding steps are zeroed so that they add nothing to a row's tail."""
+        if ends is not None and self.slot is not None:
+            x = x * (torch.arange(x.shape[-1], device=x.device) < ends[:, None])[:, None].to(x.dtype)
         y = self.conv(x)  # [B, C, (T - 1) * stride + kernel]
         n = x.shape[-1] * self.stride
         if self.slot is None:
             return y
         tail = _piece(buf, self.slot)
         y[..., :self.tail] += tail
-        rest = y[..., n:]
+        rest = y[..., n:] if ends is None else _rows_window(y, ends * self.stride, self.tail)
         # the next chunk's outputs already carry the bias once
         tail.copy_(rest if self.conv.bias is None else rest - self.conv.bias[:, None])
         return y[..., :n]
@@ -167,15 +180,20 @@ class Attention(nn.Module):
         self.v_slot = layout.take(self.kv_heads, self.keep, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                buf: torch.Tensor) -> torch.Tensor:
+                buf: torch.Tensor, ends: torch.Tensor | None = None) -> torch.Tensor:
+        """`ends` as in CausalConv1d: the cache keeps the last window - 1 real steps of each row."""
         B, T, _ = x.shape
         q = _rotate(self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2), cos, sin)
         k = _rotate(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         k_cache, v_cache = _piece(buf, self.k_slot), _piece(buf, self.v_slot)
         k, v = torch.cat([k_cache, k], dim=2), torch.cat([v_cache, v], dim=2)  # key j is at step base + j
-        k_cache.copy_(k[:, :, k.shape[2] - self.keep:])
-        v_cache.copy_(v[:, :, v.shape[2] - self.keep:])
+        if ends is None:
+            k_cache.copy_(k[:, :, k.shape[2] - self.keep:])
+            v_cache.copy_(v[:, :, v.shape[2] - self.keep:])
+        else:
+            k_cache.copy_(_rows_window(k, ends, self.keep, dim=2))
+            v_cache.copy_(_rows_window(v, ends, self.keep, dim=2))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -223,19 +241,26 @@ class Transformer(nn.Module):
 
     def forward(self, x: torch.Tensor, start: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         """x [B, T, C]; start [B]: each row's first step index in this chunk."""
-        T, keep = x.shape[1], self.window - 1
-        pos_q = start[:, None] + torch.arange(T, device=x.device)                  # [B, T]
-        pos_k = start[:, None] - keep + torch.arange(keep + T, device=x.device)     # [B, keep + T]
-        last = (pos_q // self.group * self.group + self.group - 1)[:, :, None]
-        pos_q, pos_k = pos_q[:, :, None], pos_k[:, None, :]
-        mask = ((pos_k >= 0) & (pos_k <= pos_q) & (last - pos_k < self.window))[:, None]
-        pos_q = pos_q[:, :, 0]
-        freqs = pos_q[..., None].float() * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None]                           # [B, 1, T, head_dim]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin, mask = window_attention_inputs(start, x.shape[1], self.window, self.inv_freq, x.dtype, self.group)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, buf)
         return x
+
+
+def window_attention_inputs(start: torch.Tensor, T: int, window: int, inv_freq: torch.Tensor, dtype: torch.dtype,
+                            group: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RoPE cos/sin [B, 1, T, head_dim] for the queries of a chunk whose row b starts at step start[b], and the
+    mask [B, 1, T, window - 1 + T] over [the window - 1 cached keys, the chunk's keys] (see Attention): a query
+    sees keys at or before it, none before the stream start, and none `window` or more steps before the last step
+    of its group of `group` steps."""
+    keep = window - 1
+    pos_q = start[:, None] + torch.arange(T, device=start.device)                  # [B, T]
+    pos_k = start[:, None] - keep + torch.arange(keep + T, device=start.device)     # [B, keep + T]
+    last = (pos_q // group * group + group - 1)[:, :, None]
+    mask = ((pos_k[:, None] >= 0) & (pos_k[:, None] <= pos_q[:, :, None]) & (last - pos_k[:, None] < window))[:, None]
+    freqs = pos_q[..., None].float() * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]                               # [B, 1, T, head_dim]
+    return emb.cos().to(dtype), emb.sin().to(dtype), mask
 
 
 class MimiDecoder(nn.Module):
