@@ -15,7 +15,11 @@ fi
 # the CosyVoice2 flow + HiFT oracles, each in its own folder that only tests/cosyvoice_oracle.py puts on sys.path:
 # they declare torchaudio (which would replace our torch) and install top-level `cosyvoice`, `matcha`, `utils`,
 # `token2wav` modules that must stay out of the server's environment
-for oracle in cosyvoice:cosyvoice-minicpmo==0.1.0 step_audio2:step-audio2==1.0.0 scipy:scipy==1.15.3; do
+# the voice-cloning front end's oracles (S3 tokenizer v2; the CAMPPlus torch class in chatterbox's xvector.py) the
+# same way: s3tokenizer declares torchaudio and onnx, chatterbox-tts pins its own torch; tests/cosyvoice_frontend_oracle.py
+# loads them
+for oracle in cosyvoice:cosyvoice-minicpmo==0.1.0 step_audio2:step-audio2==1.0.0 scipy:scipy==1.15.3 \
+    s3tokenizer:s3tokenizer==0.3.0 chatterbox:chatterbox-tts==0.1.7; do
   if [ ! -d "$VENV/oracles/${oracle%%:*}" ]; then
     "$VENV/bin/python" -m pip install -q --no-deps --target "$VENV/oracles/${oracle%%:*}" "${oracle#*:}"
   fi
