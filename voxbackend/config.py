@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-POLICIES = ("online", "fcfs", "offline")
+POLICIES = ("online", "fcfs", "offline", "voxserve")  # voxserve: VoxServe's own policy, for ablation
 
 
 @dataclass
 class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"  # float32 | bfloat16 | float16
-    policy: str = "online"  # online (streaming-aware) | fcfs | offline
+    policy: str = "online"  # online (streaming-aware) | fcfs | offline | voxserve (ablation)
     max_batch: int = 32  # requests in one LM step
     kv_pages: int = 1024  # pages in the KV pool (one more is kept as scratch for padding)
     page_size: int = 16  # tokens per KV page

@@ -91,6 +91,14 @@ class Scheduler:
         return plan + _take(others, cap - sum(n for _, n in plan))
 
 
+def make_scheduler(config: EngineConfig) -> Scheduler:
+    if config.policy == "voxserve":
+        from voxbackend.engine.voxserve_policy import VoxServeScheduler
+
+        return VoxServeScheduler(config)
+    return Scheduler(config)
+
+
 def _take(items: list[tuple[Request, int]], cap: int) -> list[tuple[Request, int]]:
     plan = []
     for r, n in items:
