@@ -52,22 +52,30 @@ def ttfa(tl: StreamTimeline) -> float | None:
     return chunks[0][0] - tl.send_time if chunks else None
 
 
-def on_time_flags(tl: StreamTimeline) -> list[bool]:
-    """One flag per judged chunk (chunks 1..n-1): was the listener's buffer still non-empty?"""
+def on_time_flags(tl: StreamTimeline, startup_s: float = 0.0) -> list[bool]:
+    """One flag per judged chunk: was the listener's buffer still non-empty when it arrived?
+
+    startup_s = 0 (the definition above): playback starts at chunk 0, chunks 1..n-1 are judged. A player that
+    first buffers startup_s of audio starts at the chunk that brings it there (or at the last chunk), and only
+    the chunks after that one are judged."""
     chunks = _audio_chunks(tl)
     if not chunks:
         return []
-    t0 = chunks[0][0]
-    flags, buffered = [], 0.0
-    for i in range(1, len(chunks)):
-        buffered += chunks[i - 1][1]  # audio of chunks 0..i-1
-        flags.append(buffered > chunks[i][0] - t0)
+    start, buffered = 0, chunks[0][1]
+    while buffered < startup_s and start + 1 < len(chunks):
+        start += 1
+        buffered += chunks[start][1]
+    t0 = chunks[start][0]
+    flags = []
+    for i in range(start + 1, len(chunks)):
+        flags.append(buffered > chunks[i][0] - t0)  # audio of chunks 0..i-1 against the time played
+        buffered += chunks[i][1]
     return flags
 
 
-def stall_free(tl: StreamTimeline) -> bool:
+def stall_free(tl: StreamTimeline, startup_s: float = 0.0) -> bool:
     """True if the request finished without error, played some audio, and never ran dry."""
-    return tl.error is None and bool(_audio_chunks(tl)) and all(on_time_flags(tl))
+    return tl.error is None and bool(_audio_chunks(tl)) and all(on_time_flags(tl, startup_s))
 
 
 def audio_seconds(tl: StreamTimeline) -> float:
@@ -78,12 +86,13 @@ def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q, method="linear")) if values else None
 
 
-def summarize(timelines: list[StreamTimeline], wall_s: float | None = None) -> dict:
-    """Aggregate metrics for one load level. wall_s defaults to first send -> last arrival or end."""
+def summarize(timelines: list[StreamTimeline], wall_s: float | None = None, startup_s: float = 0.0) -> dict:
+    """Aggregate metrics for one load level. wall_s defaults to first send -> last arrival or end; startup_s is
+    the player's startup buffer (see on_time_flags)."""
     n = len(timelines)
     ttfas = [t for t in (ttfa(tl) for tl in timelines) if t is not None]
-    flags = [f for tl in timelines for f in on_time_flags(tl)]
-    n_free = sum(stall_free(tl) for tl in timelines)
+    flags = [f for tl in timelines for f in on_time_flags(tl, startup_s)]
+    n_free = sum(stall_free(tl, startup_s) for tl in timelines)
     audio = sum(audio_seconds(tl) for tl in timelines)
     if wall_s is None and timelines:
         ends = [max([tl.end_time or tl.send_time] + [a for a, _ in tl.chunks]) for tl in timelines]

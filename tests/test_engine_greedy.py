@@ -23,7 +23,7 @@ def _reference(ref, prompt):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("policy", ["online", "fcfs", "offline"])
+@pytest.mark.parametrize("policy", ["online", "fcfs", "offline", "voxserve"])
 def test_greedy_equality_under_continuous_batching(tiny, policy):
     path, ref = tiny
     engine = voxbackend.load(path, policy=policy, max_batch=5, page_size=4, kv_pages=200, prefill_budget=24)

@@ -87,3 +87,17 @@ def test_orpheus_windows():
     tail = WindowSpec(frames=10, hop_frames=10, first_frames=10, flush_on_finish=True, stateful=True)
     assert window_count(tail, 25, lm_done=False) == 2 and window_count(tail, 25, lm_done=True) == 3
     assert window_bounds(tail, 2, 25) == (20, 25)
+
+
+def test_online_detokenizer_lets_windows_pile_up_until_a_listener_needs_them():
+    now = 100.0
+    sched = Scheduler(EngineConfig(policy="online", detok_batch=8, detok_margin_s=0.15))
+    thin = _req("thin", 0, playing_since=90.0, audio_s=10.3)  # 0.3 s left: pressing for the LM, not yet here
+    assert thin.pressing(now, 1.0)
+    assert sched.schedule_detok([(thin, 3)], lm_busy=True, now=now, stateful=False) == []
+    assert sched.schedule_detok([(thin, 3)], lm_busy=True, now=now + 0.2, stateful=False) == [(thin, 3)]
+    new = _req("new", 1)  # its first audio is always due
+    assert [(r.id, n) for r, n in sched.schedule_detok([(thin, 3), (new, 1)], True, now, False)] == [
+        ("new", 1), ("thin", 3)]  # and the thin one rides along in the same call
+    # a full batch of windows is decoded whoever is waiting: it is as cheap per window as the codec gets
+    assert [(r.id, n) for r, n in sched.schedule_detok([(thin, 8)], True, now, False)] == [("thin", 8)]

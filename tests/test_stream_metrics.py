@@ -107,3 +107,17 @@ def test_markdown_table():
     md = markdown_table({2.0: summarize(summary_set()), 1.0: summarize([])})
     lines = md.splitlines()
     assert len(lines) == 4 and lines[2].startswith("| 1 | 0 |") and lines[3].startswith("| 2 | 6 | 2 | 300 | 300 | 460 |")
+
+
+
+def test_a_startup_buffer_moves_playback_to_the_chunk_that_fills_it():
+    t = tl(0.0, [(0.0, 0.1), (0.05, 0.1), (0.15, 0.1), (0.4, 0.1)])
+    # at once: chunk1 0.1 > 0.05, chunk2 0.2 > 0.15, chunk3 0.3 > 0.4 is false -> late
+    assert on_time_flags(t) == [True, True, False] and not stall_free(t)
+    # 0.2 s first: plays from chunk1 (t0 0.05): chunk2 0.2 > 0.1; chunk3 0.3 > 0.35 is false -> late
+    assert on_time_flags(t, startup_s=0.2) == [True, False]
+    # 0.3 s first: plays from chunk2 (t0 0.15): chunk3 0.3 > 0.25 -> on time
+    assert on_time_flags(t, startup_s=0.3) == [True] and stall_free(t, startup_s=0.3)
+    # more than the whole stream: it plays from the last chunk, nothing is judged
+    assert on_time_flags(t, startup_s=5.0) == [] and stall_free(t, startup_s=5.0)
+    assert summarize([t], startup_s=0.3)["stall_free_pct"] == 100.0

@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-POLICIES = ("online", "fcfs", "offline")
+POLICIES = ("online", "fcfs", "offline", "voxserve")  # voxserve: VoxServe's own policy, for ablation
 
 
 @dataclass
 class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"  # float32 | bfloat16 | float16
-    policy: str = "online"  # online (streaming-aware) | fcfs | offline
+    policy: str = "online"  # online (streaming-aware) | fcfs | offline | voxserve (ablation)
     max_batch: int = 32  # requests in one LM step
     kv_pages: int = 1024  # pages in the KV pool (one more is kept as scratch for padding)
     page_size: int = 16  # tokens per KV page
@@ -22,6 +22,7 @@ class EngineConfig:
     max_queue: int = 256  # waiting requests beyond this are refused as overloaded
     detok_batch: int = 16  # codec windows per detokenizer call
     playback_margin_s: float = 1.0  # online policy: extra buffer beyond the last chunk before a stream is "pressing"
+    detok_margin_s: float = 0.15  # online policy: decode a stream's windows once its buffer is below this
     first_chunk_s: float = 0.0  # hold a stream's first audio until it is this long (0: send the first window at once)
     attention: str = "auto"  # auto | torch | flashinfer
     # server-side cap on a request's max_tokens (LM steps); above it a request is refused. 0: the model's
@@ -31,6 +32,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.detok_margin_s < 0:
+            raise ValueError(f"detok_margin_s must be >= 0, got {self.detok_margin_s}")
         for name in ("max_batch", "kv_pages", "page_size", "prefill_budget", "max_queue", "detok_batch"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -23,7 +23,7 @@ from voxbackend.attention.base import SeqSlice
 from voxbackend.config import EngineConfig
 from voxbackend.engine.detokenize import Detokenizer
 from voxbackend.engine.kv_pool import KVPool
-from voxbackend.engine.scheduler import Scheduler, preemption_victim
+from voxbackend.engine.scheduler import make_scheduler, preemption_victim
 from voxbackend.errors import EngineDead, EngineOverloaded, InvalidRequest
 from voxbackend.events import Event, EventKind
 from voxbackend.models.base import SpeechModel
@@ -52,7 +52,7 @@ class Engine:
         self.device = config.device
         self.pool = KVPool(model.spec.geometry, config.kv_pages, config.page_size, config.device, config.torch_dtype)
         self.attention = make_attention(config, model, self.pool)
-        self.scheduler = Scheduler(config)
+        self.scheduler = make_scheduler(config)
         self.detokenizer = Detokenizer(model) if model.spec.window else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # holds pages (LM), preempted, or LM finished and still detokenizing

@@ -29,6 +29,10 @@ class Scheduler:
     def _urgent(self, r: Request, now: float) -> bool:
         return r.pressing(now, self.config.playback_margin_s) or r.skipped_steps >= MAX_SKIPPED_STEPS
 
+    def _detok_urgent(self, r: Request, now: float) -> bool:
+        """A listener needs audio soon (batch jobs never do: they ride along, or run when the LM is idle)."""
+        return r.streaming and (r.first_chunk_at is None or r.buffer_s(now) < self.config.detok_margin_s)
+
     def _lm_order(self, lm_reqs: list[Request], now: float) -> list[Request]:
         if self.config.policy != "online":
             return sorted(lm_reqs, key=lambda r: r.arrival)
@@ -85,10 +89,15 @@ class Scheduler:
             if lm_busy and total < cap:
                 return []
             return _take(sorted(ready, key=lambda x: x[0].arrival), cap)
-        urgent = [(r, n) for r, n in ready if self._urgent(r, now)]
-        if not urgent and lm_busy:
+        # Decode for a listener only when it needs audio soon: its first chunk, or a buffer below
+        # detok_margin_s. Until then its windows pile up, so the codec runs less often on bigger batches (its
+        # fixed cost per call is what tipped streams into stalling near the knee with the LM's 1 s margin).
+        urgent = [(r, n) for r, n in ready if self._detok_urgent(r, now)]
+        total = sum(n for _, n in ready)
+        if not urgent and lm_busy and total < cap:
             return []
-        others = sorted([(r, n) for r, n in ready if not self._urgent(r, now)], key=lambda x: x[0].buffer_s(now))
+        others = sorted([(r, n) for r, n in ready if not self._detok_urgent(r, now)],
+                        key=lambda x: x[0].buffer_s(now))
         urgent.sort(key=lambda x: (x[0].first_chunk_at is not None, x[0].buffer_s(now)))
         plan = _split(urgent, cap)
         return plan + _take(others, cap - sum(n for _, n in plan))
@@ -99,6 +108,14 @@ def preemption_victim(holders: list[Request], now: float) -> Request:
     Non-streaming requests first (nobody is listening), then the stream whose listener has the most audio
     buffered; ties go to the latest arrival (the least work to redo)."""
     return max(holders, key=lambda r: (not r.streaming, r.buffer_s(now) if r.streaming else 0.0, r.arrival))
+
+
+def make_scheduler(config: EngineConfig) -> Scheduler:
+    if config.policy == "voxserve":
+        from voxbackend.engine.voxserve_policy import VoxServeScheduler
+
+        return VoxServeScheduler(config)
+    return Scheduler(config)
 
 
 def _take(items: list[tuple[Request, int]], cap: int) -> list[tuple[Request, int]]:

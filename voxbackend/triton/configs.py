@@ -29,7 +29,7 @@ ENGINE_PARAMS = {
     "codec": "",  # codec folder; empty: the model's own default place
     "device": "auto",  # auto = cuda (the instance's GPU) when available, else cpu
     "dtype": "float32",
-    "policy": "online",  # online (streaming-aware) | fcfs | offline
+    "policy": "online",  # online (streaming-aware) | fcfs | offline | voxserve (VoxServe's rules, for ablation)
     "max_batch": "32",
     "kv_pages": "1024",
     "page_size": "16",
@@ -38,6 +38,7 @@ ENGINE_PARAMS = {
     "detok_batch": "16",  # codec windows per detokenizer call
     "first_chunk_s": "0",  # hold each stream's first audio until it is this long (seconds)
     "playback_margin_s": "1.0",  # online policy: buffer below last chunk + this margin = pressing
+    "detok_margin_s": "0.15",  # online policy: a stream's windows are decoded once its buffer is below this
     "attention": "auto",  # auto | torch | flashinfer
     "max_tokens_limit": "0",  # largest max_tokens a request may ask; 0 = the model's official maximum
     "engine_loader": "voxbackend:load",  # module:function(model_dir, codec_dir=..., **options) -> engine
