@@ -30,14 +30,13 @@ class VoxServeScheduler(Scheduler):
         return r.pressing(now, self.config.playback_margin_s)
 
     def schedule_lm(self, running: list[Request], now: float) -> list[tuple[Request, int]]:
-        active = sorted((r for r in running if not r.lm_done), key=lambda r: r.arrival)
-        prefills = [r for r in active if r.prefilling]
-        decodes = [r for r in active if not r.prefilling]
+        active = sorted((r for r in running if r.on_lm), key=lambda r: r.arrival)
+        prefills = [r for r in active if r.uncached > 1 or r.num_cached == 0]  # a prompt, or a resumed prefix
+        decodes = [r for r in active if r not in prefills]
         plan: list[tuple[Request, int]] = []
         cap = self.config.max_batch
         if prefills:
-            first = prefills[0]
-            plan.append((first, len(first.prompt_ids) - first.num_cached))
+            plan.append((prefills[0], prefills[0].uncached))
             cap = min(cap, PREFILL_BATCH)
         pressing = [r for r in decodes if self._pressing(r, now)]
         others = [r for r in decodes if not self._pressing(r, now)]
