@@ -18,13 +18,19 @@ SAMPLING_TENSORS = {"temperature": "TEMPERATURE", "top_p": "TOP_P", "top_k": "TO
                     "repetition_penalty": "REPETITION_PENALTY", "max_tokens": "MAX_TOKENS", "seed": "SEED"}
 
 
+class VoiceRef(BaseModel):
+    """OpenAI's custom-voice form of `voice`: {"id": "..."}."""
+
+    id: str
+
+
 class SynthesisOptions(BaseModel):
     """Which model and voice, and how to sample: shared by the HTTP body and the WebSocket's start message."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None  # required over HTTP (OpenAI); the WebSocket defaults to the first served model
-    voice: str | int | None = None
+    voice: str | int | VoiceRef | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int32 | None = None
@@ -47,7 +53,7 @@ class SynthesisOptions(BaseModel):
             raise unknown_model(self.model, sorted(models))
         else:
             model = models[self.model]
-        voice = self.voice
+        voice = self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
         if voice is None or voice == "":
             return model, None
         if model.voice_input is None:

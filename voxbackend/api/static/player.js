@@ -11,6 +11,7 @@ const player = window.voxPlayer = {
 };
 let ctx = null, analyser = null, cursor = null, abort = null, socket = null, sources = [];
 let models = {};
+let envelope = [];  // [min, max] of every 20 ms of audio received: the stream's overview in the canvas
 
 function setStatus(text) { $("status").textContent = text; }
 
@@ -51,6 +52,7 @@ function resetReadouts() {
   Object.assign(player, { samplesReceived: 0, samplesScheduled: 0, audibleFrames: 0, chunks: 0, stalls: 0,
                           ttfaMs: null, audioS: 0, playing: true, done: false, error: null, stats: null });
   cursor = null;
+  envelope = [];
   $("ttfa").textContent = "–";
   showCounters();
 }
@@ -84,6 +86,12 @@ function playChunk(samples, rate, t0) {
   sources.push(source);
   source.onended = () => { sources = sources.filter((s) => s !== source); };
   player.samplesScheduled += samples.length;
+  const step = Math.max(1, Math.round(rate / 50));
+  for (let i = 0; i < samples.length; i += step) {
+    let lo = 0, hi = 0;
+    for (let j = i; j < Math.min(i + step, samples.length); j++) { lo = Math.min(lo, samples[j]); hi = Math.max(hi, samples[j]); }
+    envelope.push([lo, hi]);
+  }
   player.audioS += buffer.duration;
   showCounters();
 }
@@ -192,16 +200,29 @@ function draw() {
   let peak = 0;
   for (const x of data) peak = Math.max(peak, Math.abs(x));
   if (peak > 1e-4) player.audibleFrames += 1;
+  const w = canvas.width, h = canvas.height, half = h / 2;
   g.fillStyle = "#0b0e12";
-  g.fillRect(0, 0, canvas.width, canvas.height);
+  g.fillRect(0, 0, w, h);
+  // top: everything received so far (min/max per 20 ms), squeezed to the width once it is longer
+  g.fillStyle = "#7a5cff";
+  const columns = Math.max(envelope.length, w / 2);
+  envelope.forEach(([lo, hi], i) => {
+    const x = (i / columns) * w, y0 = (0.5 - 0.45 * hi) * half, y1 = (0.5 - 0.45 * lo) * half;
+    g.fillRect(x, y0, Math.max(1, w / columns), Math.max(1, y1 - y0));
+  });
+  // bottom: what is playing now (the analyser node after every chunk's source node)
   g.strokeStyle = "#4fa3ff";
   g.lineWidth = 2;
   g.beginPath();
   for (let i = 0; i < data.length; i++) {
-    const x = (i / (data.length - 1)) * canvas.width, y = (0.5 - 0.45 * data[i]) * canvas.height;
+    const x = (i / (data.length - 1)) * w, y = half + (0.5 - 0.45 * data[i]) * half;
     if (i) g.lineTo(x, y); else g.moveTo(x, y);
   }
   g.stroke();
+  g.fillStyle = "#8b93a3";
+  g.font = "12px system-ui";
+  g.fillText("received", 6, 14);
+  g.fillText("playing", 6, half + 14);
   requestAnimationFrame(draw);
 }
 
