@@ -32,7 +32,7 @@ from websockets.exceptions import ConnectionClosed  # noqa: E402
 from websockets.sync.client import connect as ws_connect  # noqa: E402
 
 from clients.tts_stream import make_inputs, stream_request  # noqa: E402
-from voxbackend.api import errors as api_errors  # noqa: E402
+from voxbackend.api import errors as api_errors, gauges  # noqa: E402
 from voxbackend.api.sentences import SentenceBuffer  # noqa: E402
 from voxbackend.models.orpheus import VOICES  # noqa: E402
 from voxbackend.triton.server import free_port  # noqa: E402
@@ -143,7 +143,7 @@ def test_speech_streams_a_wav_equal_to_the_triton_client(service, client):
 def test_first_bytes_leave_before_generation_ends(service, client):
     """With a long generation the first audio must arrive long before the last (TTFA, not total time)."""
     _, pieces, first_audio, end = speak(client, "A streaming server sends the first chunk at once.", seed=3,
-                                        response_format="pcm", max_tokens=420)
+                                        response_format="pcm", max_tokens=280)
     assert first_audio < 0.5 * end, f"first audio after {first_audio:.2f} s of {end:.2f} s"
     assert len(pieces) >= 5
 
@@ -352,6 +352,22 @@ def test_triton_messages_map_to_http_errors(message, status, param, code):
     error = api_errors.from_triton(message)
     assert (error.status, error.param, error.code) == (status, param, code)
     assert set(error.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_gauges_sum_instances_and_one_dead_engine_is_dead():
+    text = """# TYPE voxbackend_active_streams gauge
+voxbackend_active_streams{instance="a",model="orpheus_engine"} 2
+voxbackend_active_streams{instance="b",model="orpheus_engine"} 3
+voxbackend_kv_pages_total{instance="a",model="orpheus_engine"} 1024
+voxbackend_engine_alive{instance="a",model="orpheus_engine"} 1
+voxbackend_engine_alive{instance="b",model="orpheus_engine"} 0
+voxbackend_engine_alive{instance="0",model="csm_engine"} 1
+nv_inference_count{model="orpheus",version="1"} 7
+"""
+    parsed = gauges.parse(text)
+    assert parsed["orpheus_engine"] == {"active_streams": 5, "kv_pages_total": 1024, "engine_alive": False,
+                                        "instances": 2}
+    assert parsed["csm_engine"] == {"engine_alive": True, "instances": 1}
 
 
 def test_sentence_buffer_cuts_at_boundaries_only():

@@ -126,12 +126,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print("demo needs a source checkout (clients/tts_stream.py)", file=sys.stderr)
         return 2
     with make_server(args) as server:
+        if args.api:
+            return demo_through_api(args, server)
         print(f"server ready on {server.grpc_url}; streaming...", flush=True)
         return subprocess.call([sys.executable, "-m", "clients.tts_stream", "--url", server.grpc_url,
                                 "--model", args.model, "--text", args.text, "--out", str(Path(args.out).resolve()),
                                 "--seed", str(args.seed),
                                 *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])],
                                cwd=configs.REPO_ROOT)
+
+
+def demo_through_api(args: argparse.Namespace, server: TritonServer) -> int:
+    """The demo's sentence through the speech API (POST /v1/audio/speech) instead of Triton's gRPC."""
+    from voxbackend.api.server import ApiServer
+
+    with ApiServer(server.grpc_url, server.metrics_url, prefetch_voices=False).start(args.timeout) as api:
+        print(f"server ready, api on {api.url}; streaming...", flush=True)
+        return subprocess.call([sys.executable, "-m", "voxbackend.api.speak", "--url", api.url, "--model", args.model,
+                                "--text", args.text, "--out", str(Path(args.out).resolve()), "--seed", str(args.seed),
+                                *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])])
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
@@ -177,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-tokens", type=int, default=None)
     demo.add_argument("--seed", type=int, default=7, help="sampling seed: the same text and seed give the same audio")
     demo.add_argument("--out", default="hello.wav")
+    demo.add_argument("--api", action="store_true",
+                      help="stream through the OpenAI-compatible speech API (voxbackend.api) instead of gRPC")
     demo.set_defaults(func=cmd_demo, host="127.0.0.1", http_port=0, grpc_port=0, metrics_port=0)
     api = sub.add_parser("api", help="the OpenAI-compatible speech API alone, in front of a running tritonserver")
     api.add_argument("--triton-url", default="localhost:8001", help="Triton's gRPC address")
