@@ -354,6 +354,45 @@ def test_triton_messages_map_to_http_errors(message, status, param, code):
     assert set(error.body()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_voice_goes_to_the_models_own_voice_input():
+    """A named-voice model gets VOICE; a speaker-id model (CSM's SPEAKER) gets the voice as an integer id."""
+    from voxbackend.api.catalog import SpeechModel
+    from voxbackend.api.requests import SynthesisOptions
+    from voxbackend.api.triton_stream import speech_inputs
+
+    models = {"orpheus": SpeechModel("orpheus", "orpheus_engine", "orpheus_preprocess", ("TEXT", "VOICE", "SEED")),
+              "csm": SpeechModel("csm", "csm_engine", "csm_preprocess", ("TEXT", "SPEAKER", "CONTEXT_TEXT"))}
+    model, voice = SynthesisOptions(model="csm", voice="3").resolve(models)
+    tensors = {t.name(): t for t in speech_inputs("Hi.", model.voice_input, voice, {"SEED": 1})}
+    assert set(tensors) == {"TEXT", "SPEAKER", "AUDIO_FORMAT", "SEED"} and tensors["SPEAKER"].datatype() == "INT32"
+    with pytest.raises(api_errors.ApiError) as e:
+        SynthesisOptions(model="csm", voice="tara").resolve(models)
+    assert e.value.param == "voice"
+    model, voice = SynthesisOptions(model="orpheus", voice={"id": "leo"}).resolve(models)
+    assert {t.name() for t in speech_inputs("Hi.", model.voice_input, voice, {})} == {"TEXT", "VOICE", "AUDIO_FORMAT"}
+    assert SynthesisOptions().resolve(models)[0].name == "csm"  # the WebSocket's default: the first by name
+
+
+def test_health_is_503_when_an_engine_died(monkeypatch):
+    import asyncio
+
+    from voxbackend.api import app as api_app
+    from voxbackend.api.catalog import SpeechModel
+
+    class Catalog:
+        url = "unused:1"
+
+        async def models(self):
+            return {"orpheus": SpeechModel("orpheus", "orpheus_engine", "orpheus_preprocess", ("TEXT", "VOICE"))}
+
+    monkeypatch.setattr(api_app, "_triton_ready", lambda url: True)  # Triton's readiness stays green (docs/triton.md)
+    for alive, want in ((1, True), (0, False)):
+        text = f'voxbackend_engine_alive{{instance="0",model="orpheus_engine"}} {alive}\n'
+        monkeypatch.setattr(gauges, "read", lambda url, text=text: gauges.parse(text))
+        report, ok = asyncio.run(api_app._health(Catalog(), "http://metrics"))
+        assert ok is want and report["engines"]["orpheus_engine"]["alive"] is want, report
+
+
 def test_gauges_sum_instances_and_one_dead_engine_is_dead():
     text = """# TYPE voxbackend_active_streams gauge
 voxbackend_active_streams{instance="a",model="orpheus_engine"} 2

@@ -10,8 +10,6 @@ from __future__ import annotations
 import io
 import struct
 
-import numpy as np
-
 from voxbackend.triton.audio_encoding import decode
 
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "opus": "audio/ogg", "flac": "audio/flac", "mp3": "audio/mpeg"}
@@ -92,7 +90,3 @@ class AudioEncoder:
             return b""
         self._file.close()
         return self._sink.drain()
-
-
-def pcm16_samples(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype="<i2")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import anyio
 
 from clients.tts_stream import StreamCall, is_triton_final, make_inputs, response_scalar
-from voxbackend.api.errors import ApiError, from_triton
+from voxbackend.api.errors import from_triton
 
 _ids = itertools.count()
 
@@ -81,5 +81,3 @@ def speech_inputs(text: str, voice_input: str | None, voice: str | int | None, s
     return make_inputs(text, voice if voice_input == "VOICE" else None, "pcm16",
                        speaker=voice if voice_input == "SPEAKER" else None, **sampling)
 
-
-__all__ = ["ApiError", "AudioChunk", "SpeechStream", "speech_inputs"]
