@@ -439,17 +439,19 @@ def test_page_plays_a_stream_in_headless_chromium(service, tmp_path):
         max_tokens.clear()
         max_tokens.send_keys("210")
         page.find_element(By.ID, "play").click()
+        # sound is playing and a second of it has come in: the screenshot shows the stream mid-way
+        until(lambda: page.execute_script("return window.voxPlayer.audibleFrames > 0 && window.voxPlayer.audioS > 1"),
+              90)
+        shot = tmp_path / "player.png"
+        page.save_screenshot(str(shot))
+        print(f"screenshot: {shot}")
         until(lambda: page.execute_script("return window.voxPlayer.done"), 90)
-        until(lambda: page.execute_script("return window.voxPlayer.audibleFrames") > 0, 10)
         state = page.execute_script("return window.voxPlayer")
         assert state["error"] is None, state["error"]
         assert state["samplesScheduled"] == state["samplesReceived"] > RATE // 2, state
         assert state["chunks"] >= 2 and state["ttfaMs"] > 0
         assert page.find_element(By.ID, "ttfa").text.endswith(" ms")
         until(lambda: "orpheus_engine" in page.find_element(By.ID, "gauges").text, 10)
-        shot = tmp_path / "player.png"
-        page.save_screenshot(str(shot))
-        print(f"screenshot: {shot}")
         assert shot.stat().st_size > 10_000
     finally:
         page.quit()
