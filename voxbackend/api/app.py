@@ -69,8 +69,8 @@ def create_app(triton_url: str, metrics_url: str | None = None, prefetch_voices:
         except BaseException:
             await stream.close()
             raise
-        return StreamingResponse(_audio_body(stream, encoder, first), media_type=encoder.media_type,
-                                 headers={"X-Sample-Rate": str(stream.sample_rate)})
+        return SpeechResponse(stream, _audio_body(stream, encoder, first), media_type=encoder.media_type,
+                              headers={"X-Sample-Rate": str(stream.sample_rate)})
 
     @app.get("/v1/models")
     async def list_models():
@@ -112,6 +112,21 @@ def create_app(triton_url: str, metrics_url: str | None = None, prefetch_voices:
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
+
+
+class SpeechResponse(StreamingResponse):
+    """A streamed body that hangs up its Triton request however the response ends, even when the client left
+    before the body generator ever started (its own finally would then never run)."""
+
+    def __init__(self, stream: SpeechStream, body, **kwargs):
+        super().__init__(body, **kwargs)
+        self.stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.stream.close()
 
 
 async def _audio_body(stream: SpeechStream, encoder: AudioEncoder, first: AudioChunk | None):
