@@ -16,6 +16,7 @@ let envelope = [];  // [min, max] of every 20 ms of audio received: the stream's
 function setStatus(text) { $("status").textContent = text; }
 
 async function loadModels() {
+  setStatus("loading models");  // the first answer waits for the front ends' voices (a few seconds)
   try {
     const r = await fetch("/v1/models");
     const body = await r.json();
@@ -23,6 +24,7 @@ async function loadModels() {
     models = Object.fromEntries(body.data.map((m) => [m.id, m]));
     $("model").innerHTML = body.data.map((m) => `<option>${m.id}</option>`).join("");
     showVoices();
+    setStatus("idle");
   } catch (e) {
     setStatus("no models: " + e.message);
   }
