@@ -346,6 +346,8 @@ def test_server_down_is_503(tmp_path):
      "invalid_value"),
     ("EngineOverloaded: overloaded: 257 requests are queued (max_queue)", 429, None, "engine_overloaded"),
     ("EngineDead: the engine loop died", 503, None, "engine_dead"),
+    ("engine stopped: 3 engine steps failed in a row; last: boom", 503, None, "engine_error"),
+    ("in ensemble 'orpheus', engine step failed: CUDA error", 503, None, "engine_error"),
     ("[StatusCode.UNAVAILABLE] failed to connect to all addresses", 503, None, "server_unavailable"),
 ])
 def test_triton_messages_map_to_http_errors(message, status, param, code):

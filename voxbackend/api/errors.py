@@ -18,6 +18,7 @@ TENSOR_PARAMS = {
     "TEMPERATURE": "temperature", "TOP_P": "top_p", "TOP_K": "top_k", "MIN_P": "min_p",
     "REPETITION_PENALTY": "repetition_penalty", "MAX_TOKENS": "max_tokens", "SEED": "seed",
 }
+_ENGINE_FAILED = re.compile(r"\bengine (step )?failed|\bengine stopped|model is being unloaded")
 _NAME = re.compile(r"\b(" + "|".join(sorted(TENSOR_PARAMS, key=len, reverse=True)) + r")\b")
 
 
@@ -64,6 +65,8 @@ def from_triton(message: str) -> ApiError:
                         "engine_overloaded")
     if "EngineDead" in text:
         return unavailable(_after(text, "EngineDead:"), "engine_dead")
+    if _ENGINE_FAILED.search(text):  # mid-stream: the engine failed or stopped under this stream
+        return unavailable(text, "engine_error")
     if "UNAVAILABLE" in text or "failed to connect" in text.lower() or "connection refused" in text.lower():
         return unavailable(f"the inference server is not reachable: {text}")
     return ApiError(500, text, "server_error", None, "internal_error")
