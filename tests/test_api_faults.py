@@ -86,11 +86,15 @@ def test_an_engine_death_is_503_and_health_says_so(triton, api, client):
         time.sleep(0.2)
     socket_messages: list[dict] = []
     http_outcome: list = []
+    # the fake speaks one chunk per prompt character (20 ms each): 80 characters keep both victims talking
+    # while the killer goes in, and 80 + 640 positions (45 KV pages each) leave it room to be admitted
+    text = "one long sentence without a stop, " * 2 + "still going on and"
+    started = [threading.Event(), threading.Event()]
 
     def socket_victim() -> None:
         with ws_connect(api.url.replace("http", "ws") + "/v1/audio/speech/stream", open_timeout=30) as ws:
-            ws.send(json.dumps({"type": "start", "model": "orpheus", "max_tokens": 600}))
-            ws.send(json.dumps({"type": "text", "text": "one long sentence without a stop " * 2}))
+            ws.send(json.dumps({"type": "start", "model": "orpheus", "max_tokens": 640}))
+            ws.send(json.dumps({"type": "text", "text": text}))
             ws.send(json.dumps({"type": "end"}))
             while True:
                 try:
@@ -99,20 +103,26 @@ def test_an_engine_death_is_503_and_health_says_so(triton, api, client):
                     return
                 if isinstance(message, str):
                     socket_messages.append(json.loads(message))
+                else:
+                    started[0].set()
 
     def http_victim() -> None:
         try:
             with client.audio.speech.with_streaming_response.create(
-                    model="orpheus", voice="tara", input="a long stream. " * 3, response_format="pcm",
-                    extra_body={"max_tokens": 600}) as response:
-                http_outcome.append(sum(len(piece) for piece in response.iter_bytes()))
+                    model="orpheus", voice="tara", input=text, response_format="pcm",
+                    extra_body={"max_tokens": 640}) as response:
+                received = 0
+                for piece in response.iter_bytes():
+                    received += len(piece)
+                    started[1].set()
+                http_outcome.append(received)
         except Exception as e:  # the body is cut: the status had already gone out
             http_outcome.append(e)
 
     victims = [threading.Thread(target=socket_victim), threading.Thread(target=http_victim)]
     for t in victims:
         t.start()
-    time.sleep(1.0)
+    assert all(event.wait(30) for event in started), "the victims never got audio"
     killer = stream_request(triton.grpc_url, "orpheus_engine", make_inputs("__die__ please", MAX_TOKENS=7), timeout=30)
     assert killer.error and "engine failed" in killer.error
     for t in victims:
