@@ -96,7 +96,8 @@ def response_audio(result, audio_format: str) -> np.ndarray:
     return audio.astype(np.float32).reshape(-1)
 
 
-def _scalar(result, name: str, default=None):
+def response_scalar(result, name: str, default=None):
+    """One metadata output of a response (SAMPLE_RATE, CHUNK_INDEX, FINAL, FINISH_REASON) as a Python value."""
     value = result.as_numpy(name)
     if value is None or value.size == 0:
         return default
@@ -161,6 +162,37 @@ class StreamOutcome:
         return (self.end_time or time.monotonic()) - self.send_time
 
 
+def is_triton_final(result) -> bool:
+    """Triton's own end-of-stream flag (enable_empty_final_response): nothing follows this response."""
+    params = result.get_response().parameters
+    return params["triton_final_response"].bool_param if "triton_final_response" in params else False
+
+
+class StreamCall:
+    """One request on its own gRPC stream: opened and sent at construction, every response (or error) handed to
+    `callback(result, error)` on tritonclient's stream thread; close() hangs up."""
+
+    def __init__(self, url: str, model: str, inputs: list, callback, request_id: str = "tts"):
+        import tritonclient.grpc as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(url)
+        self.client.start_stream(callback=callback)
+        try:
+            self.client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
+        except BaseException:
+            self.close(cancel=False)
+            raise
+
+    def close(self, cancel: bool) -> None:
+        """cancel: the request may still be running, stop it. Cancel only such a request: cancelling one Triton
+        already rejected (wrong dtype or shape) leaves it counted as live in 2.51, and the server then waits out
+        its exit timeout on shutdown."""
+        try:
+            self.client.stop_stream(cancel_requests=cancel)
+        finally:
+            self.client.close()
+
+
 def stream_request(url: str, model: str, inputs: list, audio_format: str = "pcm16", timeout: float = 300.0,
                    cancel_after_chunks: int | None = None, request_id: str = "tts",
                    linger_s: float = 0.0) -> StreamOutcome:
@@ -170,15 +202,12 @@ def stream_request(url: str, model: str, inputs: list, audio_format: str = "pcm1
     hangs up); the outcome then has finish_reason "client-cancelled".
     linger_s: keep listening that long after the final response or error and count late_responses (tests).
     """
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(url)
     responses: queue.SimpleQueue = queue.SimpleQueue()
-    client.start_stream(callback=lambda result, error: responses.put((time.monotonic(), result, error)))
     out = StreamOutcome(send_time=time.monotonic())
+    call = StreamCall(url, model, inputs, lambda result, error: responses.put((time.monotonic(), result, error)),
+                      request_id)
     cancelled = False
     try:
-        client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
         deadline = out.send_time + timeout
         while True:
             try:
@@ -192,16 +221,15 @@ def stream_request(url: str, model: str, inputs: list, audio_format: str = "pcm1
                 out.error, out.end_time = str(error), t
                 break
             audio = response_audio(result, audio_format)
-            out.sample_rate = int(_scalar(result, "SAMPLE_RATE", out.sample_rate) or 0)
-            out.seed = _scalar(result, "SEED_USED", out.seed)
+            out.sample_rate = int(response_scalar(result, "SAMPLE_RATE", out.sample_rate) or 0)
+            out.seed = response_scalar(result, "SEED_USED", out.seed)
             if audio.size:
                 out.chunks.append(audio)
                 out.arrivals.append(t)
-                out.indices.append(int(_scalar(result, "CHUNK_INDEX", len(out.indices))))
-            if _scalar(result, "FINAL", False):  # the stream's last response: FINISH_REASON says why
-                out.finish_reason, out.end_time = _scalar(result, "FINISH_REASON", "") or None, t
-            params = result.get_response().parameters
-            if params["triton_final_response"].bool_param if "triton_final_response" in params else False:
+                out.indices.append(int(response_scalar(result, "CHUNK_INDEX", len(out.indices))))
+            if response_scalar(result, "FINAL", False):  # the stream's last response: FINISH_REASON says why
+                out.finish_reason, out.end_time = response_scalar(result, "FINISH_REASON", "") or None, t
+            if is_triton_final(result):
                 out.end_time = out.end_time or t
                 break  # Triton sends nothing after this one
             if cancel_after_chunks is not None and len(out.chunks) >= cancel_after_chunks:
@@ -214,10 +242,7 @@ def stream_request(url: str, model: str, inputs: list, audio_format: str = "pcm1
                 responses.get()
                 out.late_responses += 1
     finally:
-        # cancel only a request that is still running: cancelling one Triton already rejected (wrong dtype or
-        # shape) leaves it counted as live in 2.51, and the server then waits out its exit timeout on shutdown
-        client.stop_stream(cancel_requests=cancelled)
-        client.close()
+        call.close(cancel=cancelled)
     out.put_in_order()
     return out
 

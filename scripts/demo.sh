@@ -2,8 +2,8 @@
 # The server's main job end to end on the default model: set up the environment, start tritonserver on free
 # loopback ports with the model repository, stream one sentence through the `orpheus` ensemble with the
 # tritonclient gRPC streaming client into a WAV file, stop the server.
-# Usage: bash scripts/demo.sh ["Text to speak."] [out.wav]
+# Usage: bash scripts/demo.sh ["Text to speak."] [out.wav] [--api]   (--api: through the speech API, voxbackend.api)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="$(bash scripts/setup_env.sh | tail -n 1)"
-exec "$VENV/bin/voxbackend" demo --text "${1:-Hello there, this is a streaming speech server.}" --out "${2:-hello.wav}" --max-tokens 420
+exec "$VENV/bin/voxbackend" demo --text "${1:-Hello there, this is a streaming speech server.}" --out "${2:-hello.wav}" --max-tokens 420 "${@:3}"

@@ -9,7 +9,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q -e ".[test,triton,perf]"
+"$VENV/bin/python" -m pip install -q -e ".[test,triton,perf,api,api-test]"
 # the streaming Mimi test oracle; --no-deps because its pins (torch, bitsandbytes, sounddevice...) are not ours
 "$VENV/bin/python" -m pip install -q --no-deps "moshi==0.2.13"
 # the CosyVoice2 flow + HiFT oracles, each in its own folder that only tests/cosyvoice_oracle.py puts on sys.path:
@@ -32,6 +32,13 @@ done
 if ! ldconfig -p 2>/dev/null | grep -q libb64.so.0d; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && apt-get install -y -qq libb64-0d) >/dev/null 2>&1 || echo "warning: could not install libb64-0d; perf_analyzer tests will skip"
+  fi
+fi
+# the speech API's browser test drives Debian's chromium through its chromedriver (no browser download)
+if ! command -v chromedriver >/dev/null || ! command -v chromium >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
+      || echo "warning: could not install chromium and chromium-driver; tests/test_api_page.py will fail"
   fi
 fi
 echo "$VENV"

@@ -3,6 +3,8 @@
     voxbackend serve                       # tritonserver on the model repository (tiny default checkpoint)
     voxbackend serve --models orpheus --checkpoint /ckpt/orpheus-3b --codec /ckpt/snac_24khz --set max_batch=64
     voxbackend serve --models csm --checkpoint /ckpt/csm-1b     # Mimi weights inside; or --codec /ckpt/mimi
+    voxbackend serve --api-port 9000                 # plus the OpenAI-compatible speech API and player on :9000
+    voxbackend api --triton-url host:8001 --port 9000   # the speech API alone, in front of a running server
     voxbackend demo --text "Hello." --out hello.wav   # serve, stream one sentence to a WAV, stop
     voxbackend make-checkpoint [--root DIR]            # build (or find) the tiny default checkpoint
     voxbackend configs [--check]                       # regenerate / verify model_repository/*/config.pbtxt
@@ -79,6 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     server.start(timeout=args.timeout)
+    api = start_api(args, server)
     print(f"ready: grpc {server.grpc_url}  http {server.http_url}  metrics {server.metrics_url}\n"
           f"log: {server.log_file}  (Ctrl-C stops)", flush=True)
     try:
@@ -87,9 +90,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 print(f"tritonserver exited with {server.proc.returncode}:\n{server.log_tail()}", file=sys.stderr)
                 return 1
     finally:
+        if api is not None:
+            api.stop()
         code = server.close()
     print(f"stopped (exit {code})", flush=True)
     return 0 if code == 0 else 1
+
+
+def start_api(args: argparse.Namespace, server: TritonServer):
+    """The speech API (voxbackend.api) on --api-port, next to the running server; None without --api-port."""
+    if getattr(args, "api_port", None) is None:
+        return None
+    from voxbackend.api.server import ApiServer
+
+    try:
+        api = ApiServer(server.grpc_url, server.metrics_url, host=args.host, port=args.api_port).start(args.timeout)
+    except BaseException:
+        server.close()
+        raise
+    print(f"api: {api.url}  (OpenAI /v1/audio/speech, player at /)", flush=True)
+    return api
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    """The speech API alone, in front of a tritonserver that runs elsewhere."""
+    import uvicorn
+
+    from voxbackend.api.app import create_app
+
+    uvicorn.run(create_app(args.triton_url, args.metrics_url or None), host=args.host, port=args.port,
+                ws="websockets-sansio", log_level=args.log_level)
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -98,12 +129,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print("demo needs a source checkout (clients/tts_stream.py)", file=sys.stderr)
         return 2
     with make_server(args) as server:
+        if args.api:
+            return demo_through_api(args, server)
         print(f"server ready on {server.grpc_url}; streaming...", flush=True)
         return subprocess.call([sys.executable, "-m", "clients.tts_stream", "--url", server.grpc_url,
                                 "--model", args.model, "--text", args.text, "--out", str(Path(args.out).resolve()),
                                 "--seed", str(args.seed),
                                 *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])],
                                cwd=configs.REPO_ROOT)
+
+
+def demo_through_api(args: argparse.Namespace, server: TritonServer) -> int:
+    """The demo's sentence through the speech API (POST /v1/audio/speech) instead of Triton's gRPC."""
+    from voxbackend.api.server import ApiServer
+
+    with ApiServer(server.grpc_url, server.metrics_url, prefetch_voices=False).start(args.timeout) as api:
+        print(f"server ready, api on {api.url}; streaming...", flush=True)
+        return subprocess.call([sys.executable, "-m", "voxbackend.api.speak", "--url", api.url, "--model", args.model,
+                                "--text", args.text, "--out", str(Path(args.out).resolve()), "--seed", str(args.seed),
+                                *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])])
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
@@ -167,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run tritonserver on the model repository until Ctrl-C")
     _server_args(serve)
+    serve.add_argument("--api-port", type=int, default=None,
+                       help="also serve the OpenAI-compatible speech API and the player on this port (0: a free one)")
     serve.set_defaults(func=cmd_serve)
     demo = sub.add_parser("demo", help="serve on free ports, stream one sentence to a WAV file, stop")
     _server_args(demo)
@@ -175,7 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-tokens", type=int, default=None)
     demo.add_argument("--seed", type=int, default=7, help="sampling seed: the same text and seed give the same audio")
     demo.add_argument("--out", default="hello.wav")
+    demo.add_argument("--api", action="store_true",
+                      help="stream through the OpenAI-compatible speech API (voxbackend.api) instead of gRPC")
     demo.set_defaults(func=cmd_demo, host="127.0.0.1", http_port=0, grpc_port=0, metrics_port=0)
+    api = sub.add_parser("api", help="the OpenAI-compatible speech API alone, in front of a running tritonserver")
+    api.add_argument("--triton-url", default="localhost:8001", help="Triton's gRPC address")
+    api.add_argument("--metrics-url", default="http://localhost:8002/metrics", help="Triton's metrics; '' for none")
+    api.add_argument("--host", default="0.0.0.0")
+    api.add_argument("--port", type=int, default=9000)
+    api.add_argument("--log-level", default="info")
+    api.set_defaults(func=cmd_api)
     mk = sub.add_parser("make-checkpoint", help="build or reuse the tiny default checkpoint")
     mk.add_argument("--root", default=None, help="default: $VOXBACKEND_CACHE or ~/.cache/voxbackend/default")
     mk.set_defaults(func=cmd_make_checkpoint)

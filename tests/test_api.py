@@ -1,0 +1,467 @@
+"""The speech API (voxbackend/api) end to end: `voxbackend serve --api-port` on loopback with the tiny Orpheus
+checkpoint, called with the official `openai` client, a WebSocket client and headless Chromium.
+
+One server for the module (the CLI as users start it: tritonserver + the API, ready when GET /health answers
+200, SIGINT stops both). Reference audio comes from the project's Triton client (clients/tts_stream.py) on the
+same server with the same seed: the API must hand over exactly the engine's samples (PCM16, +-1 step).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import openai  # noqa: E402
+from websockets.exceptions import ConnectionClosed  # noqa: E402
+from websockets.sync.client import connect as ws_connect  # noqa: E402
+
+from clients.tts_stream import make_inputs, stream_request  # noqa: E402
+from voxbackend.api import errors as api_errors, gauges  # noqa: E402
+from voxbackend.api.sentences import SentenceBuffer  # noqa: E402
+from voxbackend.models.orpheus import VOICES  # noqa: E402
+from voxbackend.triton.server import free_port  # noqa: E402
+
+MAX_TOKENS = 63  # 9 Orpheus frames: a few chunks per stream keeps 2-core runs quick
+TOP_K = 8  # no near-ties in the tiny model's flat distribution (see test_triton_e2e.py)
+RATE = 24000
+
+
+@pytest.fixture(scope="module")
+def service(tiny_orpheus, tmp_path_factory):
+    """`voxbackend serve --models orpheus --api-port N`: yields the ports; stops it with SIGINT at the end."""
+    model_dir, codec_dir = tiny_orpheus
+    work = tmp_path_factory.mktemp("api_serve")
+    ports = {name: free_port() for name in ("http", "grpc", "metrics", "api")}
+    log = open(work / "serve.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "voxbackend.cli", "serve", "--models", "orpheus", "--checkpoint", str(model_dir),
+         "--codec", str(codec_dir), "--host", "127.0.0.1", "--http-port", str(ports["http"]),
+         "--grpc-port", str(ports["grpc"]), "--metrics-port", str(ports["metrics"]), "--api-port", str(ports["api"]),
+         "--work-dir", str(work)],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    api = f"http://127.0.0.1:{ports['api']}"
+    try:
+        deadline = time.monotonic() + 420
+        while _status(f"{api}/health") != 200:
+            assert proc.poll() is None, f"voxbackend serve exited {proc.returncode}:\n{_tail(work / 'serve.log')}"
+            assert time.monotonic() < deadline, f"/health never answered 200:\n{_tail(work / 'serve.log')}"
+            time.sleep(0.5)
+        yield {"api": api, "grpc": f"127.0.0.1:{ports['grpc']}", "proc": proc, "log": work / "serve.log"}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        log.close()
+    assert proc.returncode == 0, f"voxbackend serve exited {proc.returncode} on SIGINT:\n{_tail(work / 'serve.log')}"
+    assert _status(f"{api}/health") is None, "the API still answers after SIGINT"
+
+
+def _status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.load(r)
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    return openai.OpenAI(base_url=service["api"] + "/v1", api_key="not-needed", max_retries=0, timeout=120)
+
+
+def reference_pcm16(service, text: str, voice: str | None, seed: int, max_tokens: int = MAX_TOKENS) -> np.ndarray:
+    """The Triton client's audio for the same request, as int16 samples."""
+    out = stream_request(service["grpc"], "orpheus", make_inputs(text, voice, "pcm16", MAX_TOKENS=max_tokens,
+                                                                 SEED=seed, TOP_K=TOP_K), "pcm16", timeout=120)
+    assert out.error is None, out.error
+    assert out.sample_rate == RATE
+    return np.round(out.audio * 32767.0).astype(np.int32)
+
+
+def assert_same_audio(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    assert got.size == want.size and got.size > 0, f"{what}: {got.size} samples, the Triton client got {want.size}"
+    worst = int(np.max(np.abs(got.astype(np.int32) - want.astype(np.int32))))
+    assert worst <= 1, f"{what}: samples differ by up to {worst} PCM16 steps"
+
+
+def speak(client, text: str, seed: int, voice: str = "tara", response_format: str = "wav", **extra):
+    """Stream one request with the openai client: (body bytes, pieces, time of first audio byte, time of end)."""
+    t0 = time.monotonic()
+    pieces, first_audio = [], None
+    header = 44 if response_format == "wav" else 0
+    with client.audio.speech.with_streaming_response.create(
+            model="orpheus", voice=voice, input=text, response_format=response_format,
+            extra_body={"seed": seed, "max_tokens": MAX_TOKENS, "top_k": TOP_K, **extra}) as response:
+        assert response.headers["content-type"].startswith("audio/")
+        for piece in response.iter_bytes():
+            pieces.append(piece)
+            if first_audio is None and sum(map(len, pieces)) > header:
+                first_audio = time.monotonic() - t0
+    return b"".join(pieces), pieces, first_audio, time.monotonic() - t0
+
+
+def test_speech_streams_a_wav_equal_to_the_triton_client(service, client):
+    body, pieces, first_audio, end = speak(client, "Hello there, how are you doing today?", seed=7)
+    assert body[:4] == b"RIFF" and body[8:16] == b"WAVEfmt "
+    audio, rate = sf.read(io.BytesIO(body), dtype="int16")
+    assert rate == RATE and audio.ndim == 1
+    assert_same_audio(audio, reference_pcm16(service, "Hello there, how are you doing today?", "tara", 7), "wav")
+    assert len(pieces) >= 3, f"the body came in {len(pieces)} piece(s)"  # one per engine chunk, not one file
+
+
+def test_first_bytes_leave_before_generation_ends(service, client):
+    """With a long generation the first audio must arrive long before the last (TTFA, not total time)."""
+    _, pieces, first_audio, end = speak(client, "A streaming server sends the first chunk at once.", seed=3,
+                                        response_format="pcm", max_tokens=280)
+    assert first_audio < 0.5 * end, f"first audio after {first_audio:.2f} s of {end:.2f} s"
+    assert len(pieces) >= 5
+
+
+def test_eight_concurrent_requests_equal_the_triton_client(service, client):
+    texts = ["The quick brown fox jumps over the lazy dog.", "Good morning! Good evening!",
+             "Speech models turn text into sound.", "See you tomorrow, my friend.",
+             "Numbers like one, two, three are easy to say.", "The weather this morning was cold and grey.",
+             "Can you tell me the way to the library?", "Thank you for asking, I am doing well."]
+    voices = ["tara", "leo", "mia", "zac"]
+    results: dict[int, bytes] = {}
+    failures: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            results[i] = speak(client, texts[i], seed=100 + i, voice=voices[i % 4], response_format="pcm")[0]
+        except BaseException as e:  # reported below, on the test's thread
+            failures.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not failures, failures
+    for i, text in enumerate(texts):
+        got = np.frombuffer(results[i], dtype="<i2")
+        assert_same_audio(got, reference_pcm16(service, text, voices[i % 4], 100 + i), f"request {i}")
+
+
+@pytest.mark.parametrize("response_format", ["opus", "flac", "mp3"])
+def test_compressed_formats_decode_to_the_same_length(service, client, response_format):
+    body = speak(client, "Speech models turn text into sound.", seed=11, response_format=response_format)[0]
+    audio, rate = sf.read(io.BytesIO(body), dtype="float32")
+    want = reference_pcm16(service, "Speech models turn text into sound.", "tara", 11)
+    assert rate == RATE
+    if response_format == "flac":  # lossless
+        assert audio.size == want.size
+        assert np.max(np.abs(np.round(audio * 32768).astype(np.int32) - want)) <= 1
+    else:  # lossy codecs may pad to their frame size
+        assert abs(audio.size - want.size) <= 0.05 * want.size, (audio.size, want.size)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"extra_body": {"temperature": -1.0}}, "temperature"),
+    ({"extra_body": {"top_p": 0.0}}, "top_p"),
+    ({"extra_body": {"max_tokens": 0}}, "max_tokens"),
+    ({"extra_body": {"seed": -5}}, "seed"),
+    ({"extra_body": {"top_k": "many"}}, "top_k"),
+    ({"extra_body": {"temprature": 0.5}}, "temprature"),
+    ({"voice": "nobody"}, "voice"),
+    ({"input": "   "}, "input"),
+    ({"input": "x" * 4100}, "input"),
+    ({"speed": 1.5}, "speed"),
+    ({"response_format": "aac"}, "response_format"),
+    ({"instructions": "whisper"}, "instructions"),
+])
+def test_bad_input_gets_an_openai_error_naming_the_field(service, client, fields, param):
+    request = {"model": "orpheus", "voice": "tara", "input": "Hello there.", **fields}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.audio.speech.create(**request)
+    assert e.value.status_code == 400
+    assert e.value.param == param and e.value.type == "invalid_request_error", e.value.body
+    assert param.split("_")[0] in e.value.message.lower()
+
+
+def test_unknown_model_is_not_found(service, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.audio.speech.create(model="tts-1", voice="tara", input="Hello.")
+    assert e.value.param == "model" and e.value.code == "model_not_found"
+
+
+def test_models_and_voices_come_from_the_server(service, client):
+    models = {m.id: m for m in client.models.list().data}
+    assert list(models) == ["orpheus"]  # the ensemble; its preprocess/engine/postprocess steps are not listed
+    info = models["orpheus"].model_dump()
+    assert info["engine"] == "orpheus_engine" and info["sample_rate"] == RATE and info["voices"] == list(VOICES)
+    voices = _get(service["api"] + "/v1/audio/voices")
+    assert [v["voice_id"] for v in voices["voices"] if v["model"] == "orpheus"] == list(VOICES)
+
+
+def test_health_and_gauges(service):
+    health = _get(service["api"] + "/health")
+    assert health["status"] == "ok" and health["triton"] == "ready"
+    assert health["engines"] == {"orpheus_engine": {"alive": True}}
+    stats = _get(service["api"] + "/v1/stats")["models"]["orpheus"]
+    assert stats["engine"] == "orpheus_engine" and stats["engine_alive"] is True
+    assert stats["kv_pages_total"] > 0 and stats["active_streams"] >= 0
+
+
+def wait_idle(service, timeout: float = 10.0) -> float:
+    """Seconds until the engine's active-streams gauge reads 0 (fails after timeout)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        stats = _get(service["api"] + "/v1/stats")["models"]["orpheus"]
+        if stats["active_streams"] == 0 and stats["kv_pages_used"] == 0:
+            return time.monotonic() - t0
+        time.sleep(0.2)
+    raise AssertionError(f"the engine still has {stats} {timeout} s after the client left")
+
+
+def wait_active(service, timeout: float = 30.0) -> None:
+    t0 = time.monotonic()
+    while _get(service["api"] + "/v1/stats")["models"]["orpheus"]["active_streams"] == 0:
+        assert time.monotonic() - t0 < timeout, "the request never became active"
+        time.sleep(0.05)
+
+
+def test_http_disconnect_cancels_the_generation(service, client):
+    wait_idle(service)
+    with client.audio.speech.with_streaming_response.create(
+            model="orpheus", voice="tara", input="A long sentence that would take a while to say.",
+            response_format="pcm", extra_body={"seed": 5, "max_tokens": 1200}) as response:
+        stream = response.iter_bytes()
+        next(stream)
+        wait_active(service)
+    wait_idle(service)
+
+
+def ws_session(service, pieces: list[str], start: dict, stop_after_frames: int | None = None):
+    """Send text pieces over the WebSocket; collect (messages, audio per sentence index)."""
+    messages, audio, current = [], {}, None
+    with ws_connect(service["api"].replace("http", "ws") + "/v1/audio/speech/stream", open_timeout=30) as ws:
+        sends = [{"type": "start", **start}, *({"type": "text", "text": p} for p in pieces)]
+        try:
+            for message in sends + ([{"type": "end"}] if stop_after_frames is None else []):
+                ws.send(json.dumps(message))
+        except ConnectionClosed:  # the server refused the start and closed: read its error below
+            pass
+        frames = 0
+        while True:
+            try:
+                message = ws.recv(timeout=120)
+            except Exception:  # closed by the server after "done" or "error"
+                break
+            if isinstance(message, bytes):
+                assert current is not None, "audio before its sentence message"
+                audio[current] = audio.get(current, b"") + message
+                frames += 1
+                if stop_after_frames is not None and frames >= stop_after_frames:
+                    return messages, audio  # leaving the with block drops the connection mid-stream
+                continue
+            messages.append(json.loads(message))
+            if messages[-1]["type"] == "sentence":
+                current = messages[-1]["index"]
+    return messages, audio
+
+
+def test_websocket_text_pieces_become_sentences_in_order(service):
+    text = "Hello there, how are you? The quick brown fox jumps over the lazy dog. See you tomorrow"
+    pieces = [text[i:i + 7] for i in range(0, len(text), 7)]  # cut mid-word, as an LLM streams tokens
+    messages, audio = ws_session(service, pieces, {"model": "orpheus", "voice": "leo", "seed": 21,
+                                                    "max_tokens": MAX_TOKENS, "top_k": TOP_K})
+    sentences = [m for m in messages if m["type"] == "sentence"]
+    assert [m["text"] for m in sentences] == ["Hello there, how are you?", "The quick brown fox jumps over the lazy dog.",
+                                               "See you tomorrow"]
+    assert [m["index"] for m in sentences] == [0, 1, 2] and all(m["sample_rate"] == RATE for m in sentences)
+    ends = [m for m in messages if m["type"] == "sentence_end"]
+    assert [m["index"] for m in ends] == [0, 1, 2]
+    done = messages[-1]
+    assert done["type"] == "done" and done["stats"]["sentences"] == 3
+    assert done["stats"]["chunks"] == sum(m["chunks"] for m in ends) and done["stats"]["ttfa_s"] > 0
+    for m in sentences:  # each sentence's audio is that sentence's, in its place
+        assert_same_audio(np.frombuffer(audio[m["index"]], dtype="<i2"),
+                          reference_pcm16(service, m["text"], "leo", 21), f"sentence {m['index']}")
+
+
+def test_websocket_bad_start_gets_an_error_naming_the_field(service):
+    messages, _ = ws_session(service, ["Hello."], {"model": "orpheus", "voice": "nobody", "top_p": 0.0})
+    errors = [m for m in messages if m["type"] == "error"]
+    assert len(errors) == 1 and errors[0]["error"]["param"] in ("voice", "top_p"), messages
+    messages, _ = ws_session(service, ["Hello."], {"model": "nope"})
+    assert messages[-1]["type"] == "error" and messages[-1]["error"]["code"] == "model_not_found"
+
+
+def test_websocket_disconnect_frees_the_engine(service):
+    wait_idle(service)
+    ws_session(service, ["One long sentence here. ", "And another long one after it. "],
+               {"model": "orpheus", "seed": 9, "max_tokens": 1200}, stop_after_frames=2)
+    assert wait_idle(service) < 10.0
+
+
+def test_server_down_is_503(tmp_path):
+    """An API whose Triton does not answer: /health and speech say 503 in OpenAI's shape."""
+    from voxbackend.api.server import ApiServer
+
+    with ApiServer(f"127.0.0.1:{free_port()}", None, prefetch_voices=False).start(30, wait_healthy=False) as api:
+        assert _status(api.url + "/health") == 503
+        down = openai.OpenAI(base_url=api.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as e:
+            down.audio.speech.create(model="orpheus", voice="tara", input="Hello.")
+        assert e.value.status_code == 503 and e.value.code == "server_unavailable"
+
+
+@pytest.mark.parametrize("message, status, param, code", [
+    ("in ensemble 'orpheus', InvalidRequest: TOP_P must be in (0, 1], got 0.0", 400, "top_p", "invalid_value"),
+    ("InvalidRequest: unknown voice 'bob'; choose one of tara, leo", 400, "voice", "invalid_value"),
+    ("InvalidRequest: SPEAKER must be in [0, 10), got 12", 400, "voice", "invalid_value"),
+    ("InvalidRequest: prompt is 2205 positions (text and context audio); the model's context is 2048", 400, "input",
+     "invalid_value"),
+    ("EngineOverloaded: overloaded: 257 requests are queued (max_queue)", 429, None, "engine_overloaded"),
+    ("EngineDead: the engine loop died", 503, None, "engine_dead"),
+    ("engine stopped: 3 engine steps failed in a row; last: boom", 503, None, "engine_error"),
+    ("in ensemble 'orpheus', engine step failed: CUDA error", 503, None, "engine_error"),
+    ("[StatusCode.UNAVAILABLE] failed to connect to all addresses", 503, None, "server_unavailable"),
+])
+def test_triton_messages_map_to_http_errors(message, status, param, code):
+    error = api_errors.from_triton(message)
+    assert (error.status, error.param, error.code) == (status, param, code)
+    assert set(error.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_voice_goes_to_the_models_own_voice_input():
+    """A named-voice model gets VOICE; a speaker-id model (CSM's SPEAKER) gets the voice as an integer id."""
+    from voxbackend.api.catalog import SpeechModel
+    from voxbackend.api.requests import SynthesisOptions
+    from voxbackend.api.triton_stream import speech_inputs
+
+    models = {"orpheus": SpeechModel("orpheus", "orpheus_engine", "orpheus_preprocess", ("TEXT", "VOICE", "SEED")),
+              "csm": SpeechModel("csm", "csm_engine", "csm_preprocess", ("TEXT", "SPEAKER", "CONTEXT_TEXT"))}
+    model, voice = SynthesisOptions(model="csm", voice="3").resolve(models)
+    tensors = {t.name(): t for t in speech_inputs("Hi.", model.voice_input, voice, {"SEED": 1})}
+    assert set(tensors) == {"TEXT", "SPEAKER", "AUDIO_FORMAT", "SEED"} and tensors["SPEAKER"].datatype() == "INT32"
+    with pytest.raises(api_errors.ApiError) as e:
+        SynthesisOptions(model="csm", voice="tara").resolve(models)
+    assert e.value.param == "voice"
+    model, voice = SynthesisOptions(model="orpheus", voice={"id": "leo"}).resolve(models)
+    assert {t.name() for t in speech_inputs("Hi.", model.voice_input, voice, {})} == {"TEXT", "VOICE", "AUDIO_FORMAT"}
+    assert SynthesisOptions().resolve(models)[0].name == "csm"  # the WebSocket's default: the first by name
+
+
+def test_health_is_503_when_an_engine_died(monkeypatch):
+    import asyncio
+
+    from voxbackend.api import app as api_app
+    from voxbackend.api.catalog import SpeechModel
+
+    class Catalog:
+        url = "unused:1"
+
+        async def models(self):
+            return {"orpheus": SpeechModel("orpheus", "orpheus_engine", "orpheus_preprocess", ("TEXT", "VOICE"))}
+
+    monkeypatch.setattr(api_app, "_triton_ready", lambda url: True)  # Triton's readiness stays green (docs/triton.md)
+    for alive, want in ((1, True), (0, False)):
+        text = f'voxbackend_engine_alive{{instance="0",model="orpheus_engine"}} {alive}\n'
+        monkeypatch.setattr(gauges, "read", lambda url, text=text: gauges.parse(text))
+        report, ok = asyncio.run(api_app._health(Catalog(), "http://metrics"))
+        assert ok is want and report["engines"]["orpheus_engine"]["alive"] is want, report
+
+
+def test_gauges_sum_instances_and_one_dead_engine_is_dead():
+    text = """# TYPE voxbackend_active_streams gauge
+voxbackend_active_streams{instance="a",model="orpheus_engine"} 2
+voxbackend_active_streams{instance="b",model="orpheus_engine"} 3
+voxbackend_kv_pages_total{instance="a",model="orpheus_engine"} 1024
+voxbackend_engine_alive{instance="a",model="orpheus_engine"} 1
+voxbackend_engine_alive{instance="b",model="orpheus_engine"} 0
+voxbackend_engine_alive{instance="0",model="csm_engine"} 1
+nv_inference_count{model="orpheus",version="1"} 7
+"""
+    parsed = gauges.parse(text)
+    assert parsed["orpheus_engine"] == {"active_streams": 5, "kv_pages_total": 1024, "engine_alive": False,
+                                        "instances": 2}
+    assert parsed["csm_engine"] == {"engine_alive": True, "instances": 1}
+
+
+def test_sentence_buffer_cuts_at_boundaries_only():
+    buf = SentenceBuffer(max_chars=40)
+    assert buf.add("Pi is 3.") == [] and buf.add("14, right? Yes") == ["Pi is 3.14, right?"]
+    assert buf.add("! And a line\nbreak") == ["Yes!", "And a line"]
+    # no boundary within max_chars: cut at the last space before it
+    assert buf.add(" " + "word " * 12) == ["break word word word word word word"]
+    assert buf.flush() == ["word word word word word word"] and buf.flush() == []
+
+
+def test_page_plays_a_stream_in_headless_chromium(service, tmp_path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    assert browser and driver, "Debian's chromium and chromium-driver are needed (scripts/setup_env.sh installs them)"
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1100,760",
+                "--autoplay-policy=no-user-gesture-required"):
+        options.add_argument(arg)
+    page = webdriver.Chrome(service=Service(driver), options=options)
+    try:
+        page.get(service["api"] + "/")
+        until(lambda: page.execute_script("return document.getElementById('model').options.length") > 0, 30)
+        assert page.execute_script("return [...document.getElementById('voice').options].map(o => o.value)") == list(VOICES)
+        max_tokens = page.find_element(By.ID, "max-tokens")
+        max_tokens.clear()
+        max_tokens.send_keys("210")
+        page.find_element(By.ID, "play").click()
+        # sound is playing and a second of it has come in: the screenshot shows the stream mid-way
+        until(lambda: page.execute_script("return window.voxPlayer.audibleFrames > 0 && window.voxPlayer.audioS > 1"),
+              90)
+        shot = tmp_path / "player.png"
+        page.save_screenshot(str(shot))
+        print(f"screenshot: {shot}")
+        until(lambda: page.execute_script("return window.voxPlayer.done"), 90)
+        state = page.execute_script("return window.voxPlayer")
+        assert state["error"] is None, state["error"]
+        assert state["samplesScheduled"] == state["samplesReceived"] > RATE // 2, state
+        # (how many reads the bytes took is the browser's business: a starved one reads everything at once)
+        assert state["chunks"] >= 1 and state["ttfaMs"] > 0
+        assert page.find_element(By.ID, "ttfa").text.endswith(" ms")
+        until(lambda: "orpheus_engine" in page.find_element(By.ID, "gauges").text, 10)
+        assert shot.stat().st_size > 10_000
+    finally:
+        page.quit()
+
+
+def until(check, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out waiting for the page"
+        time.sleep(0.2)

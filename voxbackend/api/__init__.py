@@ -1,0 +1,2 @@
+"""An OpenAI-compatible speech API over the Triton model repository (app.py), its WebSocket for incremental
+text, and a browser player (static/). A client of tritonserver: it never loads a model."""

@@ -1,0 +1,83 @@
+"""One Triton streaming request as an async iterator of PCM16 chunks, for the asyncio side of the service.
+
+The gRPC stream is the project's client (clients.tts_stream.StreamCall): tritonclient calls back on its own
+thread; each response is handed to the event loop through a queue. close() hangs up, cancelling the request
+in Triton when it is still running, so a client that goes away leaves no generation behind.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+
+import anyio
+
+from clients.tts_stream import StreamCall, is_triton_final, make_inputs, response_scalar
+from voxbackend.api.errors import from_triton
+
+_ids = itertools.count()
+
+
+@dataclass
+class AudioChunk:
+    pcm16: bytes  # little-endian int16 mono samples
+    sample_rate: int
+    index: int
+
+
+class SpeechStream:
+    """Send one request; `await next()` gives its chunks in order, then None; a Triton error raises ApiError."""
+
+    def __init__(self, url: str, model: str, inputs: list):
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.done = False  # Triton's final response (or an error) arrived: nothing is running any more
+        self.finish_reason: str | None = None
+        self.chunks = 0
+        self.sample_rate = 0
+        self._call: StreamCall | None = None
+        try:
+            self._call = StreamCall(url, model, inputs, self._on_response, request_id=f"api-{next(_ids)}")
+        except Exception as e:  # tritonclient refused before sending (bad address...)
+            self.done = True
+            raise from_triton(str(e)) from None
+
+    def _on_response(self, result, error) -> None:  # tritonclient's stream thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (result, error))
+        except RuntimeError:  # the loop is gone (service shutting down)
+            pass
+
+    async def next(self) -> AudioChunk | None:
+        while not self.done:
+            result, error = await self._queue.get()
+            if error is not None:
+                self.done = True
+                raise from_triton(str(error))
+            audio = result.as_numpy("AUDIO")
+            data = bytes(audio.reshape(-1)[0]) if audio is not None and audio.size else b""
+            self.sample_rate = int(response_scalar(result, "SAMPLE_RATE", self.sample_rate) or 0)
+            if response_scalar(result, "FINAL", False):
+                self.finish_reason = response_scalar(result, "FINISH_REASON", "") or None
+            if is_triton_final(result):
+                self.done = True
+            if data:
+                self.chunks += 1
+                return AudioChunk(data, self.sample_rate, int(response_scalar(result, "CHUNK_INDEX", self.chunks - 1)))
+        return None
+
+    async def close(self) -> None:
+        """Hang up; cancels the request in Triton unless it already ended. Safe to call twice, and from a task
+        that is being cancelled (a client that disconnected): the hang-up itself is shielded."""
+        call, self._call = self._call, None
+        if call is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(call.close, not self.done)
+
+
+def speech_inputs(text: str, voice_input: str | None, voice: str | int | None, sampling: dict) -> list:
+    """Request tensors for the ensemble: TEXT, the model's voice input (VOICE name or SPEAKER id), PCM16 audio,
+    and the sampling fields given (tensor name -> value)."""
+    return make_inputs(text, voice if voice_input == "VOICE" else None, "pcm16",
+                       speaker=voice if voice_input == "SPEAKER" else None, **sampling)
+
