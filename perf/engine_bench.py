@@ -519,6 +519,7 @@ def main(argv: list[str] | None = None) -> Path:
     rows: list[Row] = []
     shares: dict[int, str] = {}
     share_pct: dict[int, dict[str, float]] = {}
+    per_call: dict[int, dict[str, float]] = {}  # ms per wrapped call
     breakdown: list[str] = []
     raw: list[str] = []
     for n in args.stream_counts:
@@ -560,6 +561,7 @@ def main(argv: list[str] | None = None) -> Path:
                 merged[k] = (merged.get(k, (0.0, 0))[0] + s, merged.get(k, (0.0, 0))[1] + c)
         shares[n] = share_summary(merged, sum(b.wall for b in bursts))
         share_pct[n] = share_percentages(merged, sum(b.wall for b in bursts))
+        per_call[n] = {k: 1000 * secs / max(calls, 1) for k, (secs, calls) in merged.items()}
         breakdown += internals_lines(f"Engine at {n} stream(s)", merged, sum(b.wall for b in bursts))
         breakdown += internals_lines(f"Naive, the requests it served at {n} stream(s)", n_timers.snapshot(),
                                      naive_wall, rest="generate() bookkeeping, logits processors, sampling")
@@ -648,7 +650,7 @@ def main(argv: list[str] | None = None) -> Path:
     log(f"wrote {out} (run took {run_seconds:.0f} s)")
     if args.json is not None:
         summary = dict(package=str(Path(voxbackend.__file__).parent), commit=info["commit"], size=args.size,
-                       rows=[dataclasses.asdict(r) for r in rows], ratios=rat, shares=share_pct,
+                       rows=[dataclasses.asdict(r) for r in rows], ratios=rat, shares=share_pct, ms_per_call=per_call,
                        run_seconds=run_seconds)
         args.json.write_text(json.dumps(summary, indent=1), encoding="utf-8")
     return out
@@ -751,6 +753,15 @@ def ab_markdown(runs, args, info, base_commit: str, seconds: float, passthrough:
         keys = ("forward", "head", "codec", "forward+head+codec", "sampling", "elsewhere")
         vals = [med([r["shares"][str(n_max)][k] for side, _, r in runs if side == s]) for k in keys]
         lines.append(f"| {s} | " + " | ".join(f"{v:.1f}%" for v in vals) + " |")
+    if all("ms_per_call" in r for _, _, r in runs):
+        names = sorted({k for _, _, r in runs for k in r["ms_per_call"][str(n_max)]})
+        lines += ["", f"Milliseconds per engine call at {n_max} streams. The codec's code is the same on both sides: "
+                  "its ms per call gauges the machine's load during each run.", "",
+                  "| run | side | " + " | ".join(names) + " |", "|---:|---|" + "---:|" * len(names)]
+        for side, rep, r in runs:
+            calls = r["ms_per_call"][str(n_max)]
+            lines.append(f"| {rep + 1} | {side} | " + " | ".join(f"{calls.get(k, float('nan')):.1f}" for k in names)
+                         + " |")
     lines += ["", "## Setup and provenance", "", *provenance.markdown_lines(info),
               f"- base: commit {base_commit} (a `git worktree` checkout), imported through PYTHONPATH",
               f"- load average at end: {provenance.load_average()} (the machine is shared: compare ratios)",
