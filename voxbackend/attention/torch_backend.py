@@ -1,10 +1,8 @@
 """Reference paged attention in plain torch: correct on any device, used for parity and on CPU.
 
-Every sequence of the step is attended on its own, over exactly its keys: a decode row sees every cached key (no
-mask), a prefill chunk gets a causal mask offset by its cached context, so the same code path serves fresh
-prefills, chunked prefills and decodes. A sequence whose pages are consecutive in the pool reads its keys as a
-view of the pool; any other gathers its pages, once per layer. (One padded batch for all decode rows copied every
-key of every row into a fresh tensor per layer: 8-20x slower on CPU at 32 streams than these per-sequence calls.)
+Decode rows (one new token each) are attended together as one padded batch; each prefill chunk is attended
+on its own with a causal mask offset by its cached context. KV entries are read from the pages every time,
+so the same code path serves fresh prefills, chunked prefills and decodes.
 """
 from __future__ import annotations
 
@@ -17,68 +15,70 @@ from voxbackend.attention.base import SeqSlice
 
 
 @dataclass
-class _Seq:
-    rows: slice  # this sequence's rows of the flattened batch
-    keys: int  # keys it attends: cached context + this step's tokens
-    first_slot: int | None  # its pages are consecutive: its keys are pool slots first_slot .. first_slot + keys
-    pages: torch.Tensor | None  # otherwise the pages holding its keys, in order
-    mask: torch.Tensor | None  # [1, 1, q_len, keys] causal mask of a prefill chunk; None: a decode row sees all
+class _Group:
+    rows: torch.Tensor  # [B] or [q_len] indices into the flattened batch
+    slots: torch.Tensor  # [B, max_kv] KV slot per key position
+    mask: torch.Tensor  # [B, 1, q, max_kv] True where attention is allowed
+    is_decode: bool
 
 
 class TorchPagedAttention:
     def __init__(self, kv_cache: torch.Tensor, page_size: int, scratch_page: int, scale: float):
-        # kv_cache: [layers, 2, pages, page_size, kv_heads, head_dim]; no padding, so the scratch page is unused
+        # kv_cache: [layers, 2, pages, page_size, kv_heads, head_dim]
         self.kv_cache = kv_cache
         self.page_size = page_size
+        self.scratch_slot = scratch_page * page_size
         self.scale = scale
         self.slot_mapping: torch.Tensor | None = None
-        self.seqs: list[_Seq] = []
+        self.groups: list[_Group] = []
+
+    def _slots(self, pages: list[int], n: int) -> list[int]:
+        ps = self.page_size
+        return [pages[i // ps] * ps + i % ps for i in range(n)]
 
     def plan(self, seqs: list[SeqSlice]) -> None:
         device = self.kv_cache.device
-        ps = self.page_size
         write: list[int] = []
-        self.seqs = []
+        decodes: list[SeqSlice] = []
+        self.groups = []
         for s in seqs:
             total = s.context_len + s.q_len
-            used = s.pages[: (total + ps - 1) // ps]
-            write.extend(used[i // ps] * ps + i % ps for i in range(s.context_len, total))
-            consecutive = used == list(range(used[0], used[0] + len(used)))
-            mask = None
-            if s.q_len > 1:
-                q_pos = torch.arange(s.context_len, total, device=device)[:, None]
-                mask = (torch.arange(total, device=device)[None, :] <= q_pos)[None, None]
-            self.seqs.append(_Seq(
-                rows=slice(s.q_start, s.q_start + s.q_len),
-                keys=total,
-                first_slot=used[0] * ps if consecutive else None,
-                pages=None if consecutive else torch.tensor(used, dtype=torch.long, device=device),
-                mask=mask,
-            ))
+            write.extend(self._slots(s.pages, total)[s.context_len:])
+            if s.q_len == 1:
+                decodes.append(s)
+                continue
+            slots = torch.tensor([self._slots(s.pages, total)], device=device)
+            q_pos = torch.arange(s.context_len, total, device=device)[:, None]
+            mask = (torch.arange(total, device=device)[None, :] <= q_pos)[None, None]
+            rows = torch.arange(s.q_start, s.q_start + s.q_len, device=device)
+            self.groups.append(_Group(rows, slots, mask, is_decode=False))
+        if decodes:
+            max_kv = max(s.context_len + 1 for s in decodes)
+            slots = torch.full((len(decodes), max_kv), self.scratch_slot, dtype=torch.long)
+            valid = torch.zeros((len(decodes), max_kv), dtype=torch.bool)
+            for i, s in enumerate(decodes):
+                n = s.context_len + 1
+                slots[i, :n] = torch.tensor(self._slots(s.pages, n))
+                valid[i, :n] = True
+            rows = torch.tensor([s.q_start for s in decodes], device=device)
+            self.groups.append(_Group(rows, slots.to(device), valid.to(device)[:, None, None, :], is_decode=True))
         self.slot_mapping = torch.tensor(write, dtype=torch.long, device=device)
 
-    @staticmethod
-    def _read(pages: torch.Tensor, s: _Seq) -> torch.Tensor:
-        """One layer's k or v pages [pages, page_size, KVH, D] -> this sequence's keys as [1, KVH, keys, D]."""
-        if s.first_slot is not None:
-            keys = pages.view(-1, *pages.shape[2:])[s.first_slot : s.first_slot + s.keys]
-        else:
-            keys = pages.index_select(0, s.pages).view(-1, *pages.shape[2:])[: s.keys]
-        return keys.transpose(0, 1)[None]
-
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_pages, v_pages = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
-        k_pages.view(-1, *k.shape[1:]).index_copy_(0, self.slot_mapping, k.to(k_pages.dtype))
-        v_pages.view(-1, *v.shape[1:]).index_copy_(0, self.slot_mapping, v.to(v_pages.dtype))
+        k_pool = self.kv_cache[layer, 0].view(-1, *k.shape[1:])
+        v_pool = self.kv_cache[layer, 1].view(-1, *v.shape[1:])
+        k_pool.index_copy_(0, self.slot_mapping, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, self.slot_mapping, v.to(v_pool.dtype))
         out = torch.empty_like(q)
-        for s in self.seqs:
+        for g in self.groups:
+            keys = k_pool[g.slots].transpose(1, 2)  # [B, KVH, max_kv, D]
+            values = v_pool[g.slots].transpose(1, 2)
+            if g.is_decode:
+                queries = q[g.rows][:, :, None, :]  # [B, H, 1, D]
+            else:
+                queries = q[g.rows].transpose(0, 1)[None]  # [1, H, q_len, D]
             o = F.scaled_dot_product_attention(
-                q[s.rows].transpose(0, 1)[None],  # [1, H, q_len, D]
-                self._read(k_pages, s).to(q.dtype),
-                self._read(v_pages, s).to(q.dtype),
-                attn_mask=s.mask,
-                scale=self.scale,
-                enable_gqa=True,
+                queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=g.mask, scale=self.scale, enable_gqa=True
             )
-            out[s.rows] = o[0].transpose(0, 1)
+            out[g.rows] = o[:, :, 0, :] if g.is_decode else o[0].transpose(0, 1)
         return out
