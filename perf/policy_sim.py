@@ -57,6 +57,13 @@ H200_ORPHEUS_3B = CostModel("h200-orpheus-3b (analytic)", 3.0e-3, 2.0e-5, 2.0e-3
                             "first-principles estimate, see perf/policy_sim.py")
 
 
+# A slower device of the same shape (fixed costs dominate), for a study that runs in minutes here: the knee is
+# about 25 concurrent streams, so the scheduler's choices show at rates a 2-core machine can simulate quickly.
+FIXED_COST_8MS = CostModel("fixed-cost device, 8 ms/step (analytic)", 8.0e-3, 6.0e-5, 2.0e-3, 1.0e-4, 2.0e-4,
+                           "analytic: LM 8 ms + 0.06 ms/token, codec 2 ms + 0.1 ms/window")
+PROFILES = {"h200": H200_ORPHEUS_3B, "fixed8ms": FIXED_COST_8MS}
+
+
 class SimClock:
     def __init__(self) -> None:
         self.now = 0.0
