@@ -78,8 +78,8 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        alpha, beta = self.alpha.exp()[:, None], self.beta.exp()[:, None]
-        return x + torch.sin(x * alpha).pow(2) / (beta + 1e-9)
+        alpha, inv_beta = self.alpha.exp()[:, None], 1.0 / (self.beta.exp()[:, None] + 1e-9)  # per channel, once
+        return x + torch.sin(x * alpha).pow(2) * inv_beta
 
 
 class ConvNeXtBlock(nn.Module):
