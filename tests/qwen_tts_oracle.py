@@ -1,12 +1,16 @@
-"""Importing the Qwen3-TTS reference (`qwen-tts-hf`, installed --no-deps) without the packages it declares but the
-12 Hz path never calls: `librosa`, `sox`, `onnxruntime` and `torchaudio` become empty stand-in modules.
+"""Using the Qwen3-TTS reference (`qwen-tts-hf`, installed --no-deps) in tests without it leaking into others.
 
-Each stand-in carries a real `__spec__` (transformers calls `importlib.util.find_spec("torchaudio")`), and the
-few names the reference imports at module level exist but raise when called, so a test that reaches them by
-mistake fails loudly instead of computing with a fake.
+* `librosa`, `sox`, `onnxruntime` and `torchaudio` are declared by the package but never called on the 12 Hz path:
+  they become stand-in modules for the import only (each with a real `__spec__`, since transformers calls
+  `importlib.util.find_spec("torchaudio")`; the few names imported at module level raise when called), and leave
+  sys.modules again afterwards, so no later test sees a fake torchaudio.
+* Importing qwen_tts registers a "default" RoPE initializer in transformers' global ROPE_INIT_FUNCTIONS that reads
+  `config.rope_theta`; on transformers 5.23 that entry breaks every later MimiModel init (its config has only
+  `rope_parameters`). It is taken out after the import; build reference models inside `reference_rope()`.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
 import sys
@@ -32,13 +36,14 @@ def _unavailable(module: str, name: str):
     return call
 
 
-def install_stand_ins() -> None:
-    """Put a stand-in in sys.modules for each of those packages that is not really installed."""
+def _install_stand_ins() -> list[str]:
+    """Put a stand-in in sys.modules for each of those packages that is not really installed; returns their names."""
+    added = []
     for module, names in _STAND_INS.items():
         root = module.split(".")[0]
         if module in sys.modules or (root == module and importlib.util.find_spec(module) is not None):
             continue
-        if root != module and not getattr(sys.modules.get(root), "_voxbackend_stand_in", False):
+        if root != module and not vars(sys.modules.get(root, types)).get("_voxbackend_stand_in"):
             continue  # the real parent package is installed: leave its submodules alone
         stub = types.ModuleType(module)
         stub.__spec__ = importlib.machinery.ModuleSpec(module, loader=None, is_package=True)
@@ -47,16 +52,48 @@ def install_stand_ins() -> None:
         for name in names:
             setattr(stub, name, _unavailable(module, name))
         sys.modules[module] = stub
+        added.append(module)
         parent, _, child = module.rpartition(".")
         if parent:
             setattr(sys.modules[parent], child, stub)
+    return added
+
+
+def _reference_rope_init():
+    from qwen_tts._transformers_compat import _default_rope_parameters
+
+    return _default_rope_parameters
 
 
 def import_qwen_tts():
-    """The `qwen_tts` package with stand-ins installed; the test is skipped when the oracle is not installed."""
+    """The `qwen_tts` package (and all its modules, imported once); skips the test when it is not installed."""
     if importlib.util.find_spec("qwen_tts") is None:
         pytest.skip("qwen-tts-hf (the Qwen3-TTS oracle) is not installed; scripts/setup_env.sh installs it")
-    install_stand_ins()
-    import qwen_tts
+    if "qwen_tts" not in sys.modules:
+        added = _install_stand_ins()
+        try:
+            import qwen_tts  # noqa: F401  (imports the 12 Hz, 25 Hz and talker modules)
+        finally:
+            for module in added:
+                del sys.modules[module]
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    return qwen_tts
+        if ROPE_INIT_FUNCTIONS.get("default") is _reference_rope_init():
+            del ROPE_INIT_FUNCTIONS["default"]
+    return sys.modules["qwen_tts"]
+
+
+@contextlib.contextmanager
+def reference_rope():
+    """While building a reference model: its RoPE modules look up ROPE_INIT_FUNCTIONS["default"] in __init__."""
+    import_qwen_tts()
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if "default" in ROPE_INIT_FUNCTIONS:
+        yield
+        return
+    ROPE_INIT_FUNCTIONS["default"] = _reference_rope_init()
+    try:
+        yield
+    finally:
+        del ROPE_INIT_FUNCTIONS["default"]

@@ -17,7 +17,8 @@ tail, and each layer's rotated keys and values of the last 71 frames; plus the f
 
 Batching: `decode_window` takes windows of different streams, of any lengths and ages, in one pass. Windows are
 right-padded to the longest; causality keeps padding out of the real outputs, and every stateful piece carries
-forward only its row's real steps (the `ends` argument of the Mimi pieces).
+forward only its row's real steps (the `ends` argument of the Mimi pieces). A call costs rows x longest window,
+so a scheduler should batch windows of similar lengths.
 """
 from __future__ import annotations
 
@@ -77,8 +78,8 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        alpha, beta = self.alpha.exp()[:, None], self.beta.exp()[:, None]
-        return x + torch.sin(x * alpha).pow(2) / (beta + 1e-9)
+        alpha, inv_beta = self.alpha.exp()[:, None], 1.0 / (self.beta.exp()[:, None] + 1e-9)  # per channel, once
+        return x + torch.sin(x * alpha).pow(2) * inv_beta
 
 
 class ConvNeXtBlock(nn.Module):
