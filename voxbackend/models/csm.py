@@ -32,9 +32,9 @@ from voxbackend.codecs.mimi_weights import frame_size, read_codec_config
 from voxbackend.errors import InvalidRequest
 from voxbackend.models.base import ModelSpec, SpeechModel, WindowJob, WindowSpec
 from voxbackend.models.checkpoint import load_safetensors, read_config
-from voxbackend.models.llama import LlamaConfig, build_llama
-from voxbackend.models.token_lm import llama_geometry
+from voxbackend.models.decoder import DecoderConfig, build_decoder
 from voxbackend.sampling_params import SamplingParams
+from voxbackend.tensor_spec import TensorSpec
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 NUM_SPEAKERS = 10  # speaker ids are conversation roles; single digits as in the model card's examples
@@ -43,7 +43,7 @@ MAX_FRAMES = 1125  # 90 s, the official generator's default limit
 
 
 def is_csm_config(hf_config: dict) -> bool:
-    return "CsmForConditionalGeneration" in hf_config.get("architectures", []) or hf_config.get("model_type") == "csm"
+    return "CsmForConditionalGeneration" in (hf_config.get("architectures") or ()) or hf_config.get("model_type") == "csm"
 
 
 @dataclass
@@ -85,6 +85,23 @@ class CsmFrontend(SpeechModel):
     """Tokenizer, prompt rules and spec without LM or codec decoder weights: what preprocessing instances need.
     The only weights it may load are the Mimi encoder's, on the first request whose context is a waveform."""
 
+    request_inputs = (
+        TensorSpec("SPEAKER", "INT32", optional=True, doc="speaker id of TEXT, in [0, 10); 0 when absent",
+                   arg="speaker"),
+        TensorSpec("CONTEXT_TEXT", "STRING", (-1,), optional=True,
+                   doc="context segments (earlier turns that set the voice): one UTF-8 text per segment",
+                   arg="text", segment="context"),
+        TensorSpec("CONTEXT_SPEAKER", "INT32", (-1,), optional=True, doc="speaker id per context segment",
+                   arg="speaker", segment="context"),
+        TensorSpec("CONTEXT_AUDIO", "STRING", (-1,), optional=True,
+                   doc="audio per context segment: a WAV/FLAC/OGG file's bytes (any rate: resampled), or raw "
+                       "little-endian float32 mono samples when CONTEXT_SAMPLE_RATE is sent",
+                   arg="audio", segment="context", kind="audio"),
+        TensorSpec("CONTEXT_SAMPLE_RATE", "INT32", (-1,), optional=True,
+                   doc="Hz of raw float32 CONTEXT_AUDIO: one value for all segments or one per segment",
+                   arg="sample_rate", segment="context", kind="rate"),
+    )
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -99,7 +116,7 @@ class CsmFrontend(SpeechModel):
         self.vocab = hf["vocab_size"]
         self.text_vocab = hf["text_vocab_size"]
         self.eos_code = hf.get("codebook_eos_token_id", 0)
-        self.cfg = LlamaConfig.from_hf(hf)
+        self.cfg = DecoderConfig.from_hf(hf, family="llama")
         self.tokenizer = self._load_tokenizer(Path(model_dir))
         self.bos, self.eos = self.tokenizer.token_to_id(BOS), self.tokenizer.token_to_id(EOS)
 
@@ -115,7 +132,7 @@ class CsmFrontend(SpeechModel):
         self._encoder_lock = threading.Lock()
         self.spec = ModelSpec(
             name="csm",
-            geometry=llama_geometry(self.cfg),
+            geometry=self.cfg.geometry(),
             sample_rate=self.codec_sample_rate,
             codes_per_frame=K,
             # streaming Mimi carries its state between windows, so a short first window is exact
@@ -240,9 +257,9 @@ class Csm(CsmFrontend):
     ):
         super().__init__(model_dir, codec_dir, device, first_window_frames, window_frames)
         w = load_safetensors(model_dir)
-        self.backbone = build_llama(self.cfg, w, device, dtype, prefix="backbone_model.", embed=False)
-        depth_cfg = LlamaConfig.from_hf(read_config(model_dir)["depth_decoder_config"])
-        self.depth = build_llama(depth_cfg, w, device, dtype, prefix="depth_decoder.model.", embed=False, head=False)
+        self.backbone = build_decoder(self.cfg, w, device, dtype, prefix="backbone_model.", embed=False)
+        depth_cfg = DecoderConfig.from_hf(read_config(model_dir)["depth_decoder_config"], family="llama")
+        self.depth = build_decoder(depth_cfg, w, device, dtype, prefix="depth_decoder.model.", embed=False, head=False)
         self.depth_geometry = (self.depth.cfg.num_layers, self.depth.cfg.num_kv_heads, self.depth.cfg.head_dim)
 
         def take(*names: str) -> torch.Tensor:  # the first name present (tied tables are saved once)
