@@ -12,6 +12,9 @@ fi
 "$VENV/bin/python" -m pip install -q -e ".[test,triton,perf]"
 # the streaming Mimi test oracle; --no-deps because its pins (torch, bitsandbytes, sounddevice...) are not ours
 "$VENV/bin/python" -m pip install -q --no-deps "moshi==0.2.13"
+# the Qwen3-TTS reference (ported to transformers 5); --no-deps: it declares torchaudio, librosa, sox, onnxruntime,
+# gradio and accelerate, which the tested 12 Hz path never runs (tests/qwen_tts_ref.py gives stand-ins for the import)
+"$VENV/bin/python" -m pip install -q --no-deps "qwen-tts-hf==0.1.1.post1"
 # perf_analyzer (inside the tritonclient 2.51.0 wheel) links against libb64
 if ! ldconfig -p 2>/dev/null | grep -q libb64.so.0d; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
