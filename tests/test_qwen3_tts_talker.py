@@ -112,3 +112,38 @@ def test_paged_talker_matches_reference(tiny):
                 prompts[i] = torch.cat([prompts[i], new[i : i + 1]])
                 lengths[i] += 1
                 assert _rel_err(logits[i], _reference_logits(ref, prompts[i])[-1]) <= 1e-4, (step, i)
+
+
+def test_code_predictor_greedy_codes_equal_reference_generate(tiny):
+    """Codebooks 1-15 for a batch of frames in one device loop equal the reference predictor's generate, row by
+    row and batched, on talker hidden states of real prompts."""
+    path, ref = tiny
+    talker = Qwen3TTSTalker(path)
+    pool = KVPool(talker.cfg.geometry(), num_pages=16, page_size=4, device="cpu", dtype=torch.float32)
+    attn = TorchPagedAttention(pool.cache, pool.page_size, pool.scratch_page, talker.cfg.head_dim ** -0.5)
+    g = torch.Generator().manual_seed(3)
+    prompts = [_rows(g, n) for n in (5, 8, 3, 6)]
+    seqs, start = [], 0
+    for i, p in enumerate(prompts):
+        seqs.append(SeqSlice(start, len(p), 0, pool.reserve(f"r{i}", len(p))))
+        start += len(p)
+    with torch.no_grad():
+        attn.plan(seqs)
+        hidden = talker.forward(torch.cat(prompts), torch.cat([torch.arange(len(p)) for p in prompts]), attn)
+        last = hidden[torch.tensor([s.q_start + s.q_len - 1 for s in seqs])]
+        first = talker.logits(last)[:, :2048].argmax(-1)  # codebook 0: a code, not a special
+        seen = []
+
+        def greedy(logits, k):
+            seen.append(k)
+            return logits.argmax(-1)
+
+        codes = talker.predict_codes(last, first, greedy)
+        assert codes.shape == (4, GROUPS) and torch.equal(codes[:, 0], first) and seen == list(range(1, GROUPS))
+        embeds = torch.stack([last, ref.talker.get_input_embeddings()(first)], dim=1)
+        want = ref.talker.code_predictor.generate(inputs_embeds=embeds, max_new_tokens=GROUPS - 1, do_sample=False,
+                                                  top_k=None, top_p=None, temperature=None)
+        assert torch.equal(codes[:, 1:], want[:, -(GROUPS - 1):])
+        for i in range(4):  # and one row alone: batching does not change a row
+            alone = talker.predict_codes(last[i : i + 1], first[i : i + 1], lambda logits, k: logits.argmax(-1))
+            assert torch.equal(alone[0], codes[i])

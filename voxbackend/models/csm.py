@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from voxbackend.attention.dense_cache import DenseDepthCache
 from voxbackend.audio_io import read_audio
 from voxbackend.codecs.mimi import MimiDecoder
 from voxbackend.codecs.mimi_encoder import MimiEncoder
@@ -57,28 +57,6 @@ class ContextSegment:
     codes: np.ndarray | None = None
     audio: np.ndarray | bytes | None = None
     sample_rate: int | None = None
-
-
-class _DepthCache:
-    """Dense KV cache of one depth pass: every row of the batch sits at the same position (a frame's codebooks)."""
-
-    def __init__(self, layers: int, batch: int, length: int, kv_heads: int, head_dim: int, like: torch.Tensor):
-        self.k = like.new_zeros(layers, batch, length, kv_heads, head_dim)
-        self.v = torch.zeros_like(self.k)
-        self.batch, self.start = batch, 0
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        b, s = self.batch, self.start
-        t = q.shape[0] // b
-        assert t == 1 or s == 0, "several new positions only at the start (the causal mask is top-left aligned)"
-        self.k[layer, :, s : s + t] = k.view(b, t, *k.shape[1:])
-        self.v[layer, :, s : s + t] = v.view(b, t, *v.shape[1:])
-        keys, values = self.k[layer, :, : s + t].transpose(1, 2), self.v[layer, :, : s + t].transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.view(b, t, *q.shape[1:]).transpose(1, 2), keys, values, is_causal=t > 1,
-            enable_gqa=keys.shape[1] != q.shape[1],
-        )
-        return out.transpose(1, 2).reshape(q.shape)
 
 
 class CsmFrontend(SpeechModel):
@@ -296,7 +274,7 @@ class Csm(CsmFrontend):
         K, V = self.num_codebooks, self.vocab
         b = len(first)
         layers, kv_heads, head_dim = self.depth_geometry
-        cache = _DepthCache(layers, b, K, kv_heads, head_dim, hidden)
+        cache = DenseDepthCache(layers, b, K, kv_heads, head_dim, hidden)
         codes = [first]
         x = torch.stack([hidden, self.depth_embed[first]], dim=1)  # positions 0 and 1
         for k in range(1, K):

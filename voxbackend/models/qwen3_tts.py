@@ -10,15 +10,22 @@ codes 0-2047 of codebook 0 and the specials above them). One talker input positi
     next text token rides along with the codes of the previous frame),
 each where the row has one (-1 marks an absent entry). The talker's 3-axis multimodal RoPE gets three equal
 position ids for speech, so every frequency rotates by the same position: it is plain 1-D RoPE, which the
-generic decoder provides. The code predictor (codebooks 1-15 of each frame) is not part of this file yet.
+generic decoder provides.
+
+The code predictor (`talker.code_predictor.*`, a small Qwen3 decoder) makes codebooks 1-15 of each frame: its
+position 0 is the talker's hidden state, position 1 codebook 0's embedding, position k + 1 codebook k's embedding
+(the same tables as the talker input), all through `small_to_mtp_projection` to its width; head k - 1 at position k
+gives codebook k. It runs for the whole batch at once on a dense cache, with no host round trip per codebook.
 """
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from voxbackend.attention.dense_cache import DenseDepthCache
 from voxbackend.models.checkpoint import load_safetensors, read_config
 from voxbackend.models.decoder import DecoderConfig, build_decoder
 
@@ -45,6 +52,9 @@ class Qwen3TTSTalker:
     def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
         hf = read_config(model_dir)
         talker = hf["talker_config"]
+        predictor = talker["code_predictor_config"]
+        if talker.get("hidden_act", "silu") != "silu" or predictor.get("hidden_act", "silu") != "silu":
+            raise ValueError("unsupported hidden_act in talker_config or code_predictor_config (expected silu)")
         self.cfg = talker_decoder_config(talker)
         self.num_code_groups: int = talker["num_code_groups"]
         w = load_safetensors(model_dir)
@@ -66,8 +76,14 @@ class Qwen3TTSTalker:
         self.text_embedding = take("talker.model.text_embedding.weight")
         self.text_fc1 = (take("talker.text_projection.linear_fc1.weight"), take("talker.text_projection.linear_fc1.bias"))
         self.text_fc2 = (take("talker.text_projection.linear_fc2.weight"), take("talker.text_projection.linear_fc2.bias"))
-        if talker.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported talker hidden_act {talker['hidden_act']!r} (expected silu)")
+        self.predictor = build_decoder(DecoderConfig.from_hf(predictor, family="qwen3"), w, device, dtype,
+                                       prefix="talker.code_predictor.model.", embed=False, head=False)
+        self.predictor_heads = torch.stack([take(f"talker.code_predictor.lm_head.{j}.weight")
+                                            for j in range(self.num_code_groups - 1)])  # [groups - 1, codes, width]
+        projection = "talker.code_predictor.small_to_mtp_projection."
+        self.predictor_projection = (
+            (take(projection + "weight"), take(projection + "bias")) if projection + "weight" in w else None
+        )  # absent when the predictor is as wide as the talker (an identity)
 
     def project_text(self, text_ids: torch.Tensor) -> torch.Tensor:
         """Text ids [N] -> talker-width embeddings [N, hidden] (text_embedding, then the projection MLP)."""
@@ -93,3 +109,26 @@ class Qwen3TTSTalker:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (hidden @ self.codec_head.T).float()
+
+    def predict_codes(
+        self, hidden: torch.Tensor, first: torch.Tensor, sample_column: Callable[[torch.Tensor, int], torch.Tensor]
+    ) -> torch.Tensor:
+        """Talker hidden states [B, hidden] and their sampled codebook-0 ids [B] -> the frame's codes [B, groups].
+
+        `sample_column(logits [B, codes], k) -> ids [B]` samples codebook k with each row's own parameters."""
+        b, groups = len(first), self.num_code_groups
+        cfg = self.predictor.cfg
+        cache = DenseDepthCache(cfg.num_layers, b, groups, cfg.num_kv_heads, cfg.head_dim, hidden)
+        codes = [first]
+        x = torch.stack([hidden, F.embedding(first, self.codec_embedding)], dim=1)  # positions 0 and 1
+        for k in range(1, groups):
+            t = x.shape[1]
+            if self.predictor_projection is not None:
+                x = F.linear(x, *self.predictor_projection)
+            positions = torch.arange(cache.start, cache.start + t, device=x.device).repeat(b)
+            h = self.predictor.forward_embeds(x.reshape(b * t, -1), positions, cache)
+            cache.start += t
+            codes.append(sample_column((h.view(b, t, -1)[:, -1] @ self.predictor_heads[k - 1].T).float(), k))
+            # codebook k enters at position k + 1 through its own table
+            x = F.embedding(codes[-1] + (k - 1) * self.code_size, self.code_embedding)[:, None]
+        return torch.stack(codes, dim=1)
