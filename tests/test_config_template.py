@@ -87,9 +87,9 @@ def test_engine_and_postprocess_are_decoupled_and_every_tensor_is_documented():
     for name in ("orpheus_engine", configs.POSTPROCESS):
         assert "model_transaction_policy { decoupled: true }" in rendered[name], name
     assert "decoupled" not in rendered["orpheus_preprocess"]
-    model_inputs = [s for specs in schema.MODEL_INPUTS.values() for s in specs]
-    for spec in (*schema.TEXT_INPUTS, *schema.ENGINE_INPUTS, *schema.ENGINE_OUTPUTS, *schema.POSTPROCESS_OUTPUTS,
-                 *model_inputs):
+    model_inputs = [s for m in configs.SERVED_MODELS
+                    for s in (*schema.client_inputs(m.input_specs), *schema.engine_inputs(m.input_specs))]
+    for spec in (*schema.ENGINE_OUTPUTS, *schema.POSTPROCESS_OUTPUTS, *model_inputs):
         assert spec.doc, f"{spec.name} needs a doc line (it is the schema documentation in config.pbtxt)"
 
 
@@ -132,3 +132,37 @@ def test_every_engine_option_is_a_config_parameter():
     assert {f.name for f in fields(EngineConfig)} <= set(ENGINE_PARAMS)
     assert EngineConfig.from_options({k: ENGINE_PARAMS[k] for k in (f.name for f in fields(EngineConfig))
                                       if k != "device"})
+
+
+def test_the_whole_repository_is_generated(tmp_path: Path):
+    """Every committed file under model_repository/ is what the generator writes from scratch, and no more."""
+    import subprocess
+
+    repo = configs.write_repository(tmp_path / "repo")
+    written = sorted(str(p.relative_to(repo)) for p in repo.rglob("*") if p.is_file())
+    committed = subprocess.run(["git", "ls-files", "model_repository"], cwd=configs.REPO_ROOT, check=True,
+                               capture_output=True, text=True).stdout.split()
+    assert written == sorted(str(Path(p).relative_to("model_repository")) for p in committed)
+    for name in written:
+        assert (repo / name).read_text() == (configs.DEFAULT_REPOSITORY / name).read_text(), name
+
+
+def test_stale_shims_and_stray_folders_are_detected(tmp_path: Path):
+    repo = configs.write_repository(tmp_path / "repo")
+    assert configs.stale_configs(repo) == []
+    model = configs.SERVED_MODELS[0]
+    (repo / model.engine / "1" / "model.py").write_text("from somewhere import TritonPythonModel\n")
+    (repo / f"{model.name}_old_engine").mkdir()
+    assert configs.stale_configs(repo) == [model.engine, f"{model.name}_old_engine"]
+    assert configs.main(["--repository", str(repo), "--check"]) == 1
+
+
+def test_served_models_come_from_the_registry():
+    from voxbackend.models import registry
+
+    served = {k.name for k in registry.KINDS.values() if k.served}
+    assert {m.name for m in configs.SERVED_MODELS} == served
+    for m in configs.SERVED_MODELS:
+        kind = registry.get_kind(m.name)
+        assert m.input_specs == (kind.frontend or kind.model).request_inputs
+        assert m.default_checkpoint == kind.tiny_checkpoint

@@ -52,9 +52,9 @@ def test_llama3_rope_frequencies_match_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from tests.util_llama import tiny_llama_config
-    from voxbackend.models.llama import LlamaConfig, rope_inv_freq
+    from voxbackend.models.decoder import DecoderConfig, rope_inv_freq
 
     cfg = tiny_llama_config()
-    ours = rope_inv_freq(LlamaConfig.from_hf(cfg.to_dict()))
+    ours = rope_inv_freq(DecoderConfig.from_hf(cfg.to_dict()))
     theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
     assert torch.allclose(ours, theirs, rtol=1e-6)

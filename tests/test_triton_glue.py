@@ -13,6 +13,8 @@ import pytest
 
 from voxbackend.errors import InvalidRequest
 from voxbackend.events import Event, EventKind
+from voxbackend.models.csm import CsmFrontend
+from voxbackend.models.orpheus import OrpheusFrontend
 from voxbackend.sampling_params import SamplingParams
 from voxbackend.triton import audio_encoding, fields, schema
 from voxbackend.triton.cancel_channel import CancelListener, send_cancel, send_shutdown, server_listeners
@@ -90,11 +92,11 @@ def test_audio_format_and_prompt_ids():
         fields.prompt_ids(getter(PROMPT_IDS=np.zeros(0, np.int64)))
 
 
-CSM_INPUTS = schema.MODEL_INPUTS["speaker_context"]
+CSM_INPUTS = CsmFrontend.request_inputs
 
 
 def test_model_inputs_become_prepare_keywords():
-    voice = schema.MODEL_INPUTS["voice"]
+    voice = OrpheusFrontend.request_inputs
     assert fields.prepare_kwargs(getter(VOICE=text(b"leo")), voice) == {"voice": "leo"}
     assert fields.prepare_kwargs(getter(VOICE=text(b"")), voice) == {}  # empty: the model's default
     raw = np.arange(3, dtype="<f4")

@@ -151,9 +151,9 @@ def demo_through_api(args: argparse.Namespace, server: TritonServer) -> int:
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
-    from voxbackend.tools.tiny_checkpoint import ensure_default_checkpoint
+    from voxbackend.models.registry import get_kind
 
-    model_dir, codec_dir = ensure_default_checkpoint(args.root)
+    model_dir, codec_dir = import_object(get_kind(args.model).tiny_checkpoint)(args.root)
     print(f"model: {model_dir}\ncodec: {codec_dir}")
     return 0
 
@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     api.add_argument("--log-level", default="info")
     api.set_defaults(func=cmd_api)
     mk = sub.add_parser("make-checkpoint", help="build or reuse the tiny default checkpoint")
-    mk.add_argument("--root", default=None, help="default: $VOXBACKEND_CACHE or ~/.cache/voxbackend/default")
+    mk.add_argument("--model", default="orpheus", choices=[m.name for m in configs.SERVED_MODELS])
+    mk.add_argument("--root", default=None, help="default: under $VOXBACKEND_CACHE or ~/.cache/voxbackend")
     mk.set_defaults(func=cmd_make_checkpoint)
     cfg = sub.add_parser("configs", help="regenerate (or --check) model_repository/*/config.pbtxt")
     cfg.add_argument("--check", action="store_true")

@@ -22,7 +22,7 @@ from voxbackend.attention.base import SeqSlice
 from voxbackend.attention.torch_backend import TorchPagedAttention
 from voxbackend.engine.engine import Engine
 from voxbackend.models.base import LMGeometry
-from voxbackend.models.llama import LlamaModel, rope_inv_freq
+from voxbackend.models.decoder import Decoder, rope_inv_freq
 from voxbackend.models.orpheus import AUDIO_BASE, END_OF_SPEECH
 from voxbackend.sampling_params import SamplingParams
 from voxbackend.tools.tiny_checkpoint import write_tiny_orpheus, write_tiny_snac
@@ -84,7 +84,7 @@ def orpheus_3b(root: Path, attention: str, device: str = "cuda", sizes: dict = O
     m = engine.model
     cfg = dataclasses.replace(m.cfg, **sizes)
     with torch.device(device):
-        backbone = LlamaModel(cfg).to(torch.bfloat16)
+        backbone = Decoder(cfg).to(torch.bfloat16)
     for p in backbone.parameters():
         torch.nn.init.normal_(p, std=0.02)
     backbone.lm_head.weight = backbone.embed.weight

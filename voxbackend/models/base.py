@@ -16,6 +16,7 @@ import torch
 
 from voxbackend.attention.base import AttentionBackend
 from voxbackend.sampling_params import SamplingParams
+from voxbackend.tensor_spec import TensorSpec
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class SpeechModel:
 
     spec: ModelSpec
     voices: tuple[str, ...] = ()
+    request_inputs: tuple[TensorSpec, ...] = ()  # the model's own request inputs beyond TEXT and sampling
 
     # --- preprocessing (CPU, off the engine thread) ---
     def prepare(self, text: str, voice: str | None = None, **options) -> list[int] | list[list[int]]:

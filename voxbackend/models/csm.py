@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from voxbackend.attention.dense_cache import DenseDepthCache
 from voxbackend.audio_io import read_audio
 from voxbackend.codecs.mimi import MimiDecoder
 from voxbackend.codecs.mimi_encoder import MimiEncoder
@@ -32,10 +32,10 @@ from voxbackend.codecs.mimi_weights import frame_size, read_codec_config
 from voxbackend.errors import InvalidRequest
 from voxbackend.models.base import ModelSpec, SpeechModel, WindowJob, WindowSpec
 from voxbackend.models.checkpoint import load_safetensors, read_config
-from voxbackend.models.llama import LlamaConfig, build_llama
+from voxbackend.models.decoder import DecoderConfig, build_decoder
 from voxbackend.models.text_tokens import TextTokenizer
-from voxbackend.models.token_lm import llama_geometry
 from voxbackend.sampling_params import SamplingParams
+from voxbackend.tensor_spec import TensorSpec
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 NUM_SPEAKERS = 10  # speaker ids are conversation roles; single digits as in the model card's examples
@@ -44,7 +44,7 @@ MAX_FRAMES = 1125  # 90 s, the official generator's default limit
 
 
 def is_csm_config(hf_config: dict) -> bool:
-    return "CsmForConditionalGeneration" in hf_config.get("architectures", []) or hf_config.get("model_type") == "csm"
+    return "CsmForConditionalGeneration" in (hf_config.get("architectures") or ()) or hf_config.get("model_type") == "csm"
 
 
 @dataclass
@@ -60,31 +60,26 @@ class ContextSegment:
     sample_rate: int | None = None
 
 
-class _DepthCache:
-    """Dense KV cache of one depth pass: every row of the batch sits at the same position (a frame's codebooks)."""
-
-    def __init__(self, layers: int, batch: int, length: int, kv_heads: int, head_dim: int, like: torch.Tensor):
-        self.k = like.new_zeros(layers, batch, length, kv_heads, head_dim)
-        self.v = torch.zeros_like(self.k)
-        self.batch, self.start = batch, 0
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        b, s = self.batch, self.start
-        t = q.shape[0] // b
-        assert t == 1 or s == 0, "several new positions only at the start (the causal mask is top-left aligned)"
-        self.k[layer, :, s : s + t] = k.view(b, t, *k.shape[1:])
-        self.v[layer, :, s : s + t] = v.view(b, t, *v.shape[1:])
-        keys, values = self.k[layer, :, : s + t].transpose(1, 2), self.v[layer, :, : s + t].transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.view(b, t, *q.shape[1:]).transpose(1, 2), keys, values, is_causal=t > 1,
-            enable_gqa=keys.shape[1] != q.shape[1],
-        )
-        return out.transpose(1, 2).reshape(q.shape)
-
-
 class CsmFrontend(SpeechModel):
     """Tokenizer, prompt rules and spec without LM or codec decoder weights: what preprocessing instances need.
     The only weights it may load are the Mimi encoder's, on the first request whose context is a waveform."""
+
+    request_inputs = (
+        TensorSpec("SPEAKER", "INT32", optional=True, doc="speaker id of TEXT, in [0, 10); 0 when absent",
+                   arg="speaker"),
+        TensorSpec("CONTEXT_TEXT", "STRING", (-1,), optional=True,
+                   doc="context segments (earlier turns that set the voice): one UTF-8 text per segment",
+                   arg="text", segment="context"),
+        TensorSpec("CONTEXT_SPEAKER", "INT32", (-1,), optional=True, doc="speaker id per context segment",
+                   arg="speaker", segment="context"),
+        TensorSpec("CONTEXT_AUDIO", "STRING", (-1,), optional=True,
+                   doc="audio per context segment: a WAV/FLAC/OGG file's bytes (any rate: resampled), or raw "
+                       "little-endian float32 mono samples when CONTEXT_SAMPLE_RATE is sent",
+                   arg="audio", segment="context", kind="audio"),
+        TensorSpec("CONTEXT_SAMPLE_RATE", "INT32", (-1,), optional=True,
+                   doc="Hz of raw float32 CONTEXT_AUDIO: one value for all segments or one per segment",
+                   arg="sample_rate", segment="context", kind="rate"),
+    )
 
     def __init__(
         self,
@@ -100,7 +95,7 @@ class CsmFrontend(SpeechModel):
         self.vocab = hf["vocab_size"]
         self.text_vocab = hf["text_vocab_size"]
         self.eos_code = hf.get("codebook_eos_token_id", 0)
-        self.cfg = LlamaConfig.from_hf(hf)
+        self.cfg = DecoderConfig.from_hf(hf, family="llama")
         self.tokenizer = self._load_tokenizer(Path(model_dir))
         self.bos, self.eos = self.tokenizer.token_to_id(BOS), self.tokenizer.token_to_id(EOS)
         self.text_tokenizer = TextTokenizer(self.tokenizer)  # user text never becomes a control token
@@ -117,7 +112,7 @@ class CsmFrontend(SpeechModel):
         self._encoder_lock = threading.Lock()
         self.spec = ModelSpec(
             name="csm",
-            geometry=llama_geometry(self.cfg),
+            geometry=self.cfg.geometry(),
             sample_rate=self.codec_sample_rate,
             codes_per_frame=K,
             # streaming Mimi carries its state between windows, so a short first window is exact
@@ -246,9 +241,9 @@ class Csm(CsmFrontend):
     ):
         super().__init__(model_dir, codec_dir, device, first_window_frames, window_frames)
         w = load_safetensors(model_dir)
-        self.backbone = build_llama(self.cfg, w, device, dtype, prefix="backbone_model.", embed=False)
-        depth_cfg = LlamaConfig.from_hf(read_config(model_dir)["depth_decoder_config"])
-        self.depth = build_llama(depth_cfg, w, device, dtype, prefix="depth_decoder.model.", embed=False, head=False)
+        self.backbone = build_decoder(self.cfg, w, device, dtype, prefix="backbone_model.", embed=False)
+        depth_cfg = DecoderConfig.from_hf(read_config(model_dir)["depth_decoder_config"], family="llama")
+        self.depth = build_decoder(depth_cfg, w, device, dtype, prefix="depth_decoder.model.", embed=False, head=False)
         self.depth_geometry = (self.depth.cfg.num_layers, self.depth.cfg.num_kv_heads, self.depth.cfg.head_dim)
 
         def take(*names: str) -> torch.Tensor:  # the first name present (tied tables are saved once)
@@ -285,7 +280,7 @@ class Csm(CsmFrontend):
         K, V = self.num_codebooks, self.vocab
         b = len(first)
         layers, kv_heads, head_dim = self.depth_geometry
-        cache = _DepthCache(layers, b, K, kv_heads, head_dim, hidden)
+        cache = DenseDepthCache(layers, b, K, kv_heads, head_dim, hidden)
         codes = [first]
         x = torch.stack([hidden, self.depth_embed[first]], dim=1)  # positions 0 and 1
         for k in range(1, K):

@@ -17,10 +17,10 @@ from voxbackend.codecs.snac import SnacDecoder
 from voxbackend.errors import InvalidRequest
 from voxbackend.models.base import ModelSpec, SpeechModel, WindowJob, WindowSpec
 from voxbackend.models.checkpoint import load_safetensors, read_config
-from voxbackend.models.llama import LlamaConfig, build_llama
+from voxbackend.models.decoder import DecoderConfig, build_decoder
 from voxbackend.models.text_tokens import TextTokenizer
-from voxbackend.models.token_lm import llama_geometry
 from voxbackend.sampling_params import SamplingParams
+from voxbackend.tensor_spec import TensorSpec
 
 VOCAB_SIZE = 156940
 BEGIN_OF_TEXT = 128000  # <|begin_of_text|>: the official code's tokenizer call adds it
@@ -37,7 +37,25 @@ MAX_TOKENS = 1200  # the official engine's max_tokens (about 14 s of audio)
 
 
 def is_orpheus_config(hf_config: dict) -> bool:
-    return "LlamaForCausalLM" in hf_config.get("architectures", []) and hf_config.get("vocab_size") == VOCAB_SIZE
+    llama = "LlamaForCausalLM" in (hf_config.get("architectures") or ()) or hf_config.get("model_type") == "llama"
+    return llama and hf_config.get("vocab_size") == VOCAB_SIZE
+
+
+CODEC_FOLDERS = ("snac_24khz", "snac")  # where the codec is looked for, next to or inside the checkpoint
+
+
+def find_codec(model_dir: Path, codec_dir: str | Path | None) -> Path:
+    """The SNAC 24 kHz folder: the one given, else one of CODEC_FOLDERS in or next to the checkpoint."""
+    if codec_dir:
+        return Path(codec_dir)
+    for base in (model_dir, model_dir.parent):
+        for name in CODEC_FOLDERS:
+            if (base / name / "config.json").is_file():
+                return base / name
+    raise FileNotFoundError(
+        f"Orpheus needs the SNAC 24 kHz codec folder (hubertsiuzdak/snac_24khz); pass codec_dir or put it "
+        f"at {model_dir / 'snac_24khz'}"
+    )
 
 
 def frames_to_snac_codes(codes: np.ndarray, device: str) -> list[torch.Tensor]:
@@ -51,9 +69,13 @@ class OrpheusFrontend(SpeechModel):
     """Tokenizer, prompt rules and spec without any weights: what preprocessing instances need."""
 
     voices = VOICES
+    request_inputs = (
+        TensorSpec("VOICE", "STRING", optional=True, doc="one of the model's voices; model default when absent",
+                   arg="voice"),
+    )
 
     def __init__(self, model_dir: str | Path, codec_dir: str | Path):
-        self.cfg = LlamaConfig.from_hf(read_config(model_dir))
+        self.cfg = DecoderConfig.from_hf(read_config(model_dir), family="llama")
         tokenizer_file = Path(model_dir) / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
@@ -61,7 +83,7 @@ class OrpheusFrontend(SpeechModel):
         self.text_tokenizer = TextTokenizer(self.tokenizer)  # user text never becomes a control token
         self.spec = ModelSpec(
             name="orpheus",
-            geometry=llama_geometry(self.cfg),
+            geometry=self.cfg.geometry(),
             sample_rate=read_config(codec_dir).get("sampling_rate", 24000),
             codes_per_frame=FRAME,
             window=WindowSpec(frames=4, hop_frames=1, first_frames=4, flush_on_finish=False),
@@ -101,7 +123,7 @@ class Orpheus(OrpheusFrontend):
     ):
         super().__init__(model_dir, codec_dir)
         self.device = device
-        self.backbone = build_llama(self.cfg, load_safetensors(model_dir), device, dtype)
+        self.backbone = build_decoder(self.cfg, load_safetensors(model_dir), device, dtype)
         self.codec = SnacDecoder.from_pretrained(codec_dir, device=device)
         if self.codec.sample_rate != self.spec.sample_rate:
             raise ValueError(f"codec sample rate {self.codec.sample_rate} != {self.spec.sample_rate}")

@@ -1,76 +1,91 @@
-"""Choose the model class from a checkpoint's config.json."""
+"""Every model kind in one table: how its config.json is recognised, its classes, where its codec is, and its tiny
+checkpoint. Adding a model is its model file (+ a codec file if new) and one entry here; the engine, the Triton
+glue, the repository generator and the CLI read this table and name no model."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
-from typing import TYPE_CHECKING
-
+from voxbackend.models import csm, orpheus, token_lm
 from voxbackend.models.base import SpeechModel
 from voxbackend.models.checkpoint import read_config
+from voxbackend.tensor_spec import TensorSpec
 
 if TYPE_CHECKING:
     import torch
 
-CODEC_FOLDERS = ("snac_24khz", "snac")  # where a codec is looked for when none is given
+
+def codec_as_given(model_dir: Path, codec_dir: str | Path | None) -> Path | None:
+    """A model whose codec weights sit inside its checkpoint (or that has none): codec_dir only overrides."""
+    return Path(codec_dir) if codec_dir else None
 
 
-def find_codec_dir(model_dir: Path) -> Path | None:
-    for base in (model_dir, model_dir.parent):
-        for name in CODEC_FOLDERS:
-            if (base / name / "config.json").is_file():
-                return base / name
-    return None
+@dataclass(frozen=True)
+class ModelKind:
+    name: str
+    detect: Callable[[dict], bool]  # config.json -> whether a checkpoint is of this kind
+    model: type[SpeechModel]  # model(model_dir, codec_dir, device, dtype)
+    # frontend(model_dir, codec_dir): prepare/default_sampling/spec without LM weights, so several CPU preprocess
+    # instances never hold copies of a 1B-3B model; None: the model itself, on CPU
+    frontend: type[SpeechModel] | None = None
+    codec: Callable[[Path, str | Path | None], Path | None] = codec_as_given  # the codec folder the classes get
+    tiny_checkpoint: str = ""  # "module:function(root=None) -> (model_dir, codec_dir)", built once and reused
+    served: str = ""  # description of its Triton ensemble; empty: not served through Triton
+
+    @property
+    def request_inputs(self) -> tuple[TensorSpec, ...]:
+        return (self.frontend or self.model).request_inputs
+
+
+# Detection tries the kinds in this order; token_lm (any plain Llama / Qwen2 / Qwen3 causal LM) comes last.
+KINDS: dict[str, ModelKind] = {k.name: k for k in (
+    ModelKind(
+        name="orpheus", detect=orpheus.is_orpheus_config, model=orpheus.Orpheus, frontend=orpheus.OrpheusFrontend,
+        codec=orpheus.find_codec, tiny_checkpoint="voxbackend.tools.tiny_checkpoint:ensure_default_checkpoint",
+        served="Orpheus TTS (Llama backbone, SNAC 24 kHz codec)",
+    ),
+    ModelKind(
+        # frontend: loads only the Mimi encoder, and only for context audio; no codec_dir: Mimi inside the checkpoint
+        name="csm", detect=csm.is_csm_config, model=csm.Csm, frontend=csm.CsmFrontend,
+        tiny_checkpoint="voxbackend.tools.tiny_csm:ensure_default_csm",
+        served="CSM-1B (Llama backbone + depth decoder, Mimi 24 kHz codec)",
+    ),
+    ModelKind(name="token_lm", detect=token_lm.is_token_lm_config, model=token_lm.TokenLM),
+)}
+
+
+def get_kind(name: str) -> ModelKind:
+    if name not in KINDS:
+        raise ValueError(f"unknown model kind {name!r} (known: {', '.join(KINDS)})")
+    return KINDS[name]
+
+
+def detect_kind(model_dir: str | Path) -> ModelKind:
+    hf = read_config(model_dir)
+    for kind in KINDS.values():
+        if kind.detect(hf):
+            return kind
+    raise ValueError(f"unsupported architecture {hf.get('architectures')} (model_type {hf.get('model_type')!r}) "
+                     f"in {model_dir}; known kinds: {', '.join(KINDS)}")
 
 
 def load_frontend(model_dir: str | Path, codec_dir: str | Path | None = None) -> SpeechModel:
     """What preprocessing needs (prepare, default_sampling, voices, spec): without LM weights where the model
-    allows, so several CPU preprocess instances never hold copies of a 1B-3B model."""
+    allows."""
     model_dir = Path(model_dir)
-    from voxbackend.models.csm import CsmFrontend, is_csm_config
-    from voxbackend.models.orpheus import OrpheusFrontend, is_orpheus_config
+    kind = detect_kind(model_dir)
+    if kind.frontend is None:
+        import torch
 
-    hf = read_config(model_dir)
-    if is_csm_config(hf):
-        return CsmFrontend(model_dir, codec_dir)  # loads only the Mimi encoder, and only for context audio
-    if is_orpheus_config(hf):
-        return OrpheusFrontend(model_dir, _orpheus_codec(model_dir, codec_dir))
-    import torch
-
-    return load_model(model_dir, codec_dir, "cpu", torch.float32)
-
-
-def _orpheus_codec(model_dir: Path, codec_dir: str | Path | None) -> Path:
-    codec = Path(codec_dir) if codec_dir else find_codec_dir(model_dir)
-    if codec is None:
-        raise FileNotFoundError(
-            f"Orpheus needs the SNAC 24 kHz codec folder (hubertsiuzdak/snac_24khz); pass codec_dir or put it "
-            f"at {model_dir / 'snac_24khz'}"
-        )
-    return codec
+        return load_model(model_dir, codec_dir, "cpu", torch.float32, kind.name)
+    return kind.frontend(model_dir, kind.codec(model_dir, codec_dir))
 
 
 def load_model(
     model_dir: str | Path, codec_dir: str | Path | None, device: str, dtype: "torch.dtype", kind: str | None = None
 ) -> SpeechModel:
+    """`kind` forces a registry entry; by default config.json decides."""
     model_dir = Path(model_dir)
-    hf = read_config(model_dir)
-    if kind is None:
-        from voxbackend.models.csm import is_csm_config
-        from voxbackend.models.orpheus import is_orpheus_config
-
-        kind = "csm" if is_csm_config(hf) else "orpheus" if is_orpheus_config(hf) else "llama"
-    if kind == "csm":
-        from voxbackend.models.csm import Csm
-
-        return Csm(model_dir, codec_dir, device, dtype)  # no codec_dir: the Mimi weights inside the checkpoint
-    if kind == "orpheus":
-        from voxbackend.models.orpheus import Orpheus
-
-        return Orpheus(model_dir, _orpheus_codec(model_dir, codec_dir), device, dtype)
-    if kind == "llama":
-        if "LlamaForCausalLM" not in hf.get("architectures", ["LlamaForCausalLM"]):
-            raise ValueError(f"unsupported architecture {hf.get('architectures')} in {model_dir}")
-        from voxbackend.models.token_lm import TokenLM
-
-        return TokenLM(model_dir, device, dtype)
-    raise ValueError(f"unknown model kind {kind!r} (known: csm, orpheus, llama)")
+    entry = get_kind(kind) if kind is not None else detect_kind(model_dir)
+    return entry.model(model_dir, entry.codec(model_dir, codec_dir), device, dtype)

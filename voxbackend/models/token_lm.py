@@ -1,41 +1,33 @@
-"""A plain Hugging Face LlamaForCausalLM served as a token-only model: no codec, used for backbone checks."""
+"""A plain Hugging Face Llama / Qwen2 / Qwen3 *ForCausalLM served as a token-only model: no codec, used for
+backbone checks."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
-from voxbackend.models.base import LMGeometry, ModelSpec, SpeechModel
+from voxbackend.models.base import ModelSpec, SpeechModel
 from voxbackend.models.checkpoint import load_safetensors, read_config
-from voxbackend.models.llama import LlamaConfig, build_llama
+from voxbackend.models.decoder import DecoderConfig, build_decoder, decoder_family, eos_ids
 
 
-def llama_geometry(cfg: LlamaConfig) -> LMGeometry:
-    return LMGeometry(
-        num_layers=cfg.num_layers,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        vocab_size=cfg.vocab_size,
-        max_context=cfg.max_position_embeddings,
-    )
-
-
-def eos_ids(hf_config: dict) -> tuple[int, ...]:
-    eos = hf_config.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (eos,)
+def is_token_lm_config(hf_config: dict) -> bool:
+    return decoder_family(hf_config) is not None
 
 
 class TokenLM(SpeechModel):
-    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(self, model_dir: str | Path, codec_dir: str | Path | None = None, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32):
         hf = read_config(model_dir)
-        self.cfg = LlamaConfig.from_hf(hf)
-        self.backbone = build_llama(self.cfg, load_safetensors(model_dir), device, dtype)
+        family = decoder_family(hf)
+        if family is None:
+            raise ValueError(f"unsupported architecture {hf.get('architectures')} (model_type "
+                             f"{hf.get('model_type')!r}) in {model_dir}: expected a Llama, Qwen2 or Qwen3 causal LM")
+        self.cfg = DecoderConfig.from_hf(hf, family)
+        self.backbone = build_decoder(self.cfg, load_safetensors(model_dir), device, dtype)
         self.spec = ModelSpec(
-            name="llama",
-            geometry=llama_geometry(self.cfg),
+            name=family,
+            geometry=self.cfg.geometry(),
             sample_rate=0,
             codes_per_frame=1,
             window=None,

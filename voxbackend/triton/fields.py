@@ -12,7 +12,7 @@ import numpy as np
 
 from voxbackend.errors import InvalidRequest
 from voxbackend.sampling_params import SamplingParams
-from voxbackend.triton.schema import AUDIO_FORMATS, DEFAULT_AUDIO_FORMAT, MODEL_INPUTS, SAMPLING_FIELDS, TensorSpec
+from voxbackend.triton.schema import AUDIO_FORMATS, DEFAULT_AUDIO_FORMAT, SAMPLING_FIELDS, TensorSpec
 
 Getter = Callable[[str], "np.ndarray | None"]
 
@@ -57,7 +57,7 @@ def text_and_voice(get: Getter) -> tuple[str, str | None]:
 
 
 def prepare_request(get: Getter, model, specs: tuple[TensorSpec, ...]) -> list:
-    """TEXT and the model's own inputs (schema.MODEL_INPUTS) -> model.prepare(...) -> prompt ids or rows."""
+    """TEXT and the model's own inputs (SpeechModel.request_inputs) -> model.prepare(...) -> prompt ids or rows."""
     text = text_field(get)
     kwargs = prepare_kwargs(get, specs)
     try:
@@ -174,7 +174,9 @@ def engine_field(tensor: str) -> str:
     index = index.rstrip("]")
     if name in SAMPLING_FIELDS:
         return SAMPLING_FIELDS[name]
-    for spec in (s for group in MODEL_INPUTS.values() for s in group):
+    from voxbackend.models.registry import KINDS  # every served model's own inputs; the glue names none
+
+    for spec in (s for kind in KINDS.values() for s in kind.request_inputs):
         if spec.name == name:
             if not spec.segment:
                 return spec.arg

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from voxbackend.config import EngineConfig
 
 # Parameters the glue itself consumes; every other non-empty one is an engine option.
-GLUE_PARAMS = ("checkpoint", "codec", "default_checkpoint", "engine_loader", "frontend_loader", "request_inputs")
+GLUE_PARAMS = ("checkpoint", "codec", "default_checkpoint", "engine_loader", "frontend_loader", "model_kind")
 
 
 @dataclass
@@ -101,27 +101,20 @@ def instance_settings(params: dict[str, str], instance_kind: str = "CPU", device
 
 
 def default_frontend(model_dir: str, codec_dir: str | None = None):
-    """The model object the preprocess needs (prepare, default_sampling, voices, spec), on CPU.
+    """The model object the preprocess needs (prepare, default_sampling, voices, spec), on CPU: the registry's
+    weights-free front end where the model has one."""
+    from voxbackend.models.registry import load_frontend
 
-    Uses the registry's weights-free front end when it has one; otherwise loads the model on CPU.
-    """
-    from voxbackend.models import registry
-
-    if hasattr(registry, "load_frontend"):
-        return registry.load_frontend(model_dir, codec_dir)
-    import torch
-
-    return registry.load_model(model_dir, codec_dir, "cpu", torch.float32)
+    return load_frontend(model_dir, codec_dir)
 
 
 def request_inputs(params: dict[str, str]) -> tuple:
-    """The model's own request inputs (schema.MODEL_INPUTS), named by the `request_inputs` parameter."""
-    from voxbackend.triton.schema import MODEL_INPUTS
+    """The model's own request inputs, declared by its class; `model_kind` names its registry entry."""
+    from voxbackend.models.registry import get_kind
 
-    name = params.get("request_inputs") or "voice"
-    if name not in MODEL_INPUTS:
-        raise ValueError(f"unknown request_inputs {name!r} in config.pbtxt; known: {sorted(MODEL_INPUTS)}")
-    return MODEL_INPUTS[name]
+    if not params.get("model_kind"):
+        raise ValueError("config.pbtxt has no model_kind parameter (a voxbackend.models.registry.KINDS name)")
+    return get_kind(params["model_kind"]).request_inputs
 
 
 def load_frontend(params: dict[str, str]):

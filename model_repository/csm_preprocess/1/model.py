@@ -1,2 +1,2 @@
-"""csm_preprocess: text, speaker, context segments (text + audio), sampling fields -> prompt rows (flattened)."""
+"""csm_preprocess: TEXT, csm's own inputs, sampling fields -> prompt ids, validated sampling."""
 from voxbackend.triton.preprocess_model import PreprocessModel as TritonPythonModel  # noqa: F401

@@ -1,2 +1,2 @@
-"""orpheus_preprocess: text, voice, sampling fields -> prompt ids and validated sampling fields."""
+"""orpheus_preprocess: TEXT, orpheus's own inputs, sampling fields -> prompt ids, validated sampling."""
 from voxbackend.triton.preprocess_model import PreprocessModel as TritonPythonModel  # noqa: F401

@@ -1,0 +1,83 @@
+"""The Qwen3-TTS reference (`qwen-tts-hf`, installed --no-deps) and tiny random checkpoints in its layout.
+
+`import qwen_tts` pulls sox, onnxruntime, librosa and torchaudio for paths the 12 Hz talker never runs (25 Hz
+tokenizer, audio I/O); they get empty stand-in modules for the import only, removed again afterwards so no other
+test sees them."""
+from __future__ import annotations
+
+import importlib.machinery
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+STAND_INS = {"sox": False, "onnxruntime": False, "librosa": True, "librosa.filters": False, "torchaudio": True,
+             "torchaudio.compliance": True, "torchaudio.compliance.kaldi": False}  # name -> is a package
+
+TALKER = dict(
+    vocab_size=3072, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=24, rope_theta=1e6, max_position_embeddings=512, rms_norm_eps=1e-6,
+    rope_scaling={"mrope_section": [4, 4, 4], "interleaved": True, "rope_type": "default"},
+    num_code_groups=16, text_hidden_size=48, text_vocab_size=1000,
+    codec_eos_token_id=2150, codec_pad_id=2148, codec_bos_id=2149,
+    spk_id={"vivian": 3000}, spk_is_dialect={"vivian": False}, codec_language_id={"english": 2050},
+    code_predictor_config=dict(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_code_groups=16,
+                               rope_theta=1e6, max_position_embeddings=64),
+)
+
+
+def import_reference():
+    """(modeling, configuration) modules of qwen_tts; skips the test when qwen-tts-hf is not installed."""
+    if importlib.util.find_spec("qwen_tts") is None:
+        pytest.skip("qwen-tts-hf is not installed (scripts/setup_env.sh installs it --no-deps)")
+    import transformers  # noqa: F401  (its import-time package checks run before the stand-ins exist)
+
+    added = []
+    for name, package in STAND_INS.items():
+        if name not in sys.modules:
+            module = types.ModuleType(name)
+            module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=package)
+            if package:
+                module.__path__ = []
+            sys.modules[name] = module
+            added.append(name)
+    sys.modules["librosa.filters"].mel = None
+    try:
+        from qwen_tts.core.models import configuration_qwen3_tts, modeling_qwen3_tts
+    finally:
+        for name in added:
+            del sys.modules[name]
+    return modeling_qwen3_tts, configuration_qwen3_tts
+
+
+def write_tiny_qwen3_tts(out: Path, seed: int = 0):
+    """A tiny random Qwen3TTSForConditionalGeneration (CustomVoice layout) saved in the Hugging Face layout.
+
+    Every parameter is redrawn (biases and norm weights too), so a weight loaded in the wrong place changes the
+    logits."""
+    modeling, configuration = import_reference()
+    from safetensors.torch import save_file
+
+    config = configuration.Qwen3TTSConfig(talker_config=dict(TALKER), tts_model_type="custom_voice",
+                                          tokenizer_type="qwen3_tts_tokenizer_12hz", tts_model_size="0b6")
+    config.architectures = ["Qwen3TTSForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = modeling.Qwen3TTSForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) * 0.5 + 0.75)
+            elif p.dim() == 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            elif "embedding" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 1.5 * p.shape[-1] ** -0.5)
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+    return model
