@@ -60,7 +60,7 @@ METHOD = """\
 - x real time = audio seconds / wall seconds (higher is better). TTFA = submit to first audio chunk in hand.
   p90 = numpy.percentile(..., 90) (linear interpolation). tokens/s = LM tokens generated (stop token included)
   / wall seconds. On-time chunks: chunk i >= 1 is on time if the audio of chunks 0..i-1 is longer than the
-  time since chunk 0 arrived (DESIGN section 4); a request is stall-free if all its chunks are on time; requests
+  time since chunk 0 arrived (docs/metrics.md); a request is stall-free if all its chunks are on time; requests
   that stopped before their first window (no audio) are left out of TTFA and on-time figures.
 """
 OFFICIAL = dict(temperature=0.6, top_p=0.8, repetition_penalty=1.3)

@@ -1,6 +1,6 @@
 """Goodput benchmark: open-loop Poisson rate sweeps (clients/loadgen) against one or more served models.
 
-Goodput (DESIGN section 4) = the highest tested rate with p90 TTFA <= --ttfa-p90 and a stall-free
+Goodput (docs/metrics.md) = the highest tested rate with p90 TTFA <= --ttfa-p90 and a stall-free
 share >= --stall-free; the targets are printed next to every number. With several targets, the table
 gives each one's goodput as a ratio to the baseline target (the last one unless --baseline).
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
     ap.add_argument("--prompts", default=str(ROOT / "perf/data/prompts.txt"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape; 1 = Poisson (DESIGN's goodput)")
+    ap.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape; 1 = Poisson (the goodput of docs/metrics.md)")
     ap.add_argument("--ttfa-p90", type=float, default=1.0, help="p90 TTFA target in seconds")
     ap.add_argument("--stall-free", type=float, default=0.99, help="stall-free request share target (0-1)")
     ap.add_argument("--stop-after-failures", type=int, default=2, help="0 = always run every rate")

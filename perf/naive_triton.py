@@ -177,7 +177,7 @@ class WorkerProcess:
 
 
 def _venv_python() -> str:
-    # inside the stub sys.prefix is the venv (DESIGN section 6), and sys.executable is the stub itself
+    # inside the stub sys.prefix is the venv (docs/triton.md), and sys.executable is the stub itself
     candidate = Path(sys.prefix) / "bin" / "python3"
     return str(candidate) if candidate.is_file() else (shutil.which("python3") or sys.executable)
 

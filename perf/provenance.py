@@ -1,6 +1,6 @@
 """Provenance of a benchmark result: what code, on what machine, with what software, when.
 
-DESIGN section 4 asks every result to record the git commit and the machine; the benchmark adds model, weights,
+docs/metrics.md asks every result to record the git commit and the machine; the benchmark adds model, weights,
 dataset, arrival process and seed itself. Nothing here fails: a missing git or /proc/cpuinfo gives "unknown".
 
     from perf.provenance import collect, markdown_lines, machine_slug

@@ -53,10 +53,10 @@ can play without stalls and every goodput is zero by definition. "tiny" (hidden 
 largest preset at which the engine plays a stream faster than real time; the sizing table below says how
 many concurrent streams it keeps above 1x on this run. Its decode step is dominated by fixed per-step costs
 (Python, op dispatch, sampling over 4097 candidates, the SNAC decoder), not by the matrix sizes, so the
-engine-vs-naive ratio here understates what batching gives on a GPU with a 3B model (section 8 of DESIGN).
+engine-vs-naive ratio here understates what batching gives on a GPU with a 3B model (where a step is memory-bound and batching pays far more).
 The overhead step therefore also measures "bench", where the model's matrices do dominate."""
 DEFINITIONS = """\
-Metric definitions (DESIGN section 4, used exactly):
+Metric definitions (docs/metrics.md, used exactly):
 - TTFA: from the moment the client sends the request to the arrival of the first audio samples.
 - Streaming viability: playback starts when the first audio arrives. Chunk i (i >= 1) is on time if the audio
   received before it (chunks 0..i-1) is longer than the time elapsed since the first audio arrived. A request
@@ -225,7 +225,7 @@ def _sampling(max_tokens: int, seed: int):
 
 
 def engine_burst(engine, prompts: list[str], n: int, max_tokens: int, seed: int) -> dict:
-    """n requests submitted together; per-stream x real time and stall-free (DESIGN definitions)."""
+    """n requests submitted together; per-stream x real time and stall-free (docs/metrics.md definitions)."""
     from voxbackend import EventKind
 
     done, lock = threading.Event(), threading.Lock()
@@ -489,7 +489,7 @@ class Suite:
                  f"request i reads a prompt of perf/data/prompts.txt (seeded choice) with SEED {st.seed} + i, "
                  f"max_tokens {st.max_tokens}, official sampling defaults (temperature 0.6, top_p 0.8, "
                  "repetition_penalty 1.3). A sweep stops after two consecutive rates miss the TTFA target.", "",
-                 "### DESIGN targets", "", gp.goodput_table(results, st.ttfa_p90, st.stall_free, "naive"), "",
+                 "### Goodput targets (docs/metrics.md)", "", gp.goodput_table(results, st.ttfa_p90, st.stall_free, "naive"), "",
                  "### TTFA target only (stall-free target 0%: no streaming-viability requirement)", "",
                  gp.goodput_table(results, st.ttfa_p90, 0.0, "naive"), "",
                  f"Highest x real time reached at any tested rate (throughput): engine {xrt['engine']:.2f}, "
@@ -573,7 +573,7 @@ class Suite:
         timing = ["| step | seconds | status |", "|---|---|---|"] + [
             f"| {n} | {t:.0f} | {s} |" for n, t, s in self.timings]
         body = [f"# CPU perf suite: {self.md_path.stem}", "",
-                f"Goodput targets: {goodput_label(st.ttfa_p90, st.stall_free)} (DESIGN section 4).", "",
+                f"Goodput targets: {goodput_label(st.ttfa_p90, st.stall_free)} (docs/metrics.md).", "",
                 "## Provenance", "", *prov, "", DEFINITIONS, ""]
         for key in ("goodput", "ablation", "overhead", "pa", "sizing"):
             if key in self.sections:

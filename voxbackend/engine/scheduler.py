@@ -2,7 +2,7 @@
 
 Policies:
 - online (default): streaming-aware. A request is pressing when its listener is close to running out of audio
-  (DESIGN section 3). Pressing requests get LM slots and detokenizer windows first; the detokenizer runs only
+  (docs/scheduling.md). Pressing requests get LM slots and detokenizer windows first; the detokenizer runs only
   when a pressing request has a window ready (or nothing else is left to do), and then also fills its
   leftover slots with other requests' windows.
 - fcfs: continuous batching in arrival order; every ready window is decoded at once.

@@ -1,7 +1,7 @@
 """Custom Prometheus metrics of an engine model, on Triton's metrics port next to its own.
 
 The MetricFamily objects are kept on this object for the model's lifetime: a collected family makes every
-later update fail with "MetricFamily has been deleted" (DESIGN section 6).
+later update fail with "MetricFamily has been deleted" (seen with Triton 2.51, docs/triton.md).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class TritonMetrics:
             fam("voxbackend_ttfa_seconds", "Time to first audio: request reaching the engine model to its "
                 "first chunk sent", fam.HISTOGRAM),
             fam("voxbackend_late_chunks_total", "Chunks sent after the listener's buffer ran dry "
-                "(DESIGN section 4, measured at the server)", fam.COUNTER),
+                "(docs/metrics.md, measured at the server)", fam.COUNTER),
             fam("voxbackend_requests_finished_total", "Finished streams by finish reason", fam.COUNTER),
             fam("voxbackend_active_streams", "Streams open in this model (running or queued)", fam.GAUGE),
             fam("voxbackend_queued_requests", "Requests waiting for admission (KV pages or batch slots)", fam.GAUGE),
