@@ -157,7 +157,9 @@ def test_an_unseeded_request_returns_the_seed_that_reproduces_its_audio(server, 
     again = stream_request(server.grpc_url, model, make_inputs(TEXTS[5], None, "fp32", SEED=first.seed, **inputs),
                            "fp32", timeout=240)
     assert again.error is None and again.seed == first.seed
-    np.testing.assert_array_equal(again.audio, first.audio)
+    # equal up to float rounding: the codec may batch this stream's windows differently in the two runs (the
+    # online policy lets windows pile up until the listener needs them); a wrong seed changes the noise by ~0.1
+    np.testing.assert_allclose(again.audio, first.audio, rtol=0, atol=1e-5)
 
 
 # ---------------------------------------------------------------- bad input
@@ -281,9 +283,11 @@ def test_perf_analyzer_streams_against_the_ensemble(server, tmp_path):
         f"perf_analyzer cannot run: {probe.stderr.strip()} (apt-get install libb64-0d; "
         "pip install nvidia-cuda-runtime-cu12)")
     data = tmp_path / "input.json"
+    # seeded: an unseeded random-weight stream can sample the stop token before its first window (no audio)
     data.write_text(json.dumps({"data": [{"TEXT": {"content": [t], "shape": [1]},
-                                          "MAX_TOKENS": {"content": [MAX_TOKENS], "shape": [1]}}
-                                         for t in TEXTS[:4]]}))
+                                          "MAX_TOKENS": {"content": [MAX_TOKENS], "shape": [1]},
+                                          "SEED": {"content": [11 + i], "shape": [1]}}
+                                         for i, t in enumerate(TEXTS[:4])]}))
     csv, export = tmp_path / "pa.csv", tmp_path / "profile.json"
     requests = 6
     # --request-count: exactly that many requests, one measurement, no stability search (which made the run

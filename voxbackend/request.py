@@ -31,6 +31,7 @@ class Request:
     first_chunk_at: float | None = None
     audio_sent_s: float = 0.0
     last_chunk_s: float = 0.0
+    ready_windows: int = 0  # codec windows decodable now but not decoded yet (the engine sets it every step)
     skipped_steps: int = 0  # consecutive steps passed over by the scheduler (ageing prevents starvation)
     finish_reason: str | None = None
 
@@ -64,10 +65,18 @@ class Request:
             return 0.0
         return self.audio_sent_s - (now - self.first_chunk_at)
 
+    def lead_s(self, now: float) -> float:
+        """How far the stream is ahead of its listener: the buffer plus the audio of its ready windows (one codec
+        call away), counted at the average length of the windows sent so far."""
+        ahead = self.ready_windows * self.audio_sent_s / self.windows_done if self.windows_done else 0.0
+        return self.buffer_s(now) + ahead
+
     def pressing(self, now: float, margin_s: float) -> bool:
-        """Close to running out of audio: nothing sent yet, or the buffer is below the last chunk plus a margin."""
+        """Close to running out of audio: nothing sent yet, or its lead is below the last chunk plus a margin.
+        The lead counts ready windows: a stream whose codec windows wait for a bigger batch is not short of
+        audio, so the LM, admission and preemption do not treat it as if it were."""
         if not self.streaming:
             return False
         if self.first_chunk_at is None:
             return True
-        return self.buffer_s(now) < self.last_chunk_s + margin_s
+        return self.lead_s(now) < self.last_chunk_s + margin_s

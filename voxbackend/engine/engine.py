@@ -198,6 +198,9 @@ class Engine:
             return False
         self._drain_inbox()
         now = self.clock()
+        if self.detokenizer is not None:
+            for r in self.running:
+                r.ready_windows = self.detokenizer.ready(r)
         self._admit(now)
         lm = self.scheduler.schedule_lm(self.running, now)
         try:

@@ -41,7 +41,7 @@ class Scheduler:
             if r.first_chunk_at is None and r.streaming:  # nothing played yet: time to first audio counts
                 return (1, r.arrival)
             urgent = self._urgent(r, now)
-            return (0 if urgent else 2, r.buffer_s(now))
+            return (0 if urgent else 2, r.lead_s(now))
 
         # streams about to stall first, then those still waiting for their first audio, then the rest
         return sorted(lm_reqs, key=key)
@@ -107,7 +107,7 @@ def preemption_victim(holders: list[Request], now: float) -> Request:
     """The request to lose its KV pages when the pool runs dry: the one that can best afford a pause.
     Non-streaming requests first (nobody is listening), then the stream whose listener has the most audio
     buffered; ties go to the latest arrival (the least work to redo)."""
-    return max(holders, key=lambda r: (not r.streaming, r.buffer_s(now) if r.streaming else 0.0, r.arrival))
+    return max(holders, key=lambda r: (not r.streaming, r.lead_s(now) if r.streaming else 0.0, r.arrival))
 
 
 def make_scheduler(config: EngineConfig) -> Scheduler:

@@ -27,7 +27,10 @@ PREFILL_BATCH = 8  # VoxServe's prefill_graph_batch_size: the LM batch cap while
 
 class VoxServeScheduler(Scheduler):
     def _pressing(self, r: Request, now: float) -> bool:
-        return r.pressing(now, self.config.playback_margin_s)
+        """VoxServe's rule: from the chunks sent alone (nothing sent yet, or buffer <= last chunk + margin)."""
+        if not r.streaming:
+            return False
+        return r.first_chunk_at is None or r.buffer_s(now) <= r.last_chunk_s + self.config.playback_margin_s
 
     def schedule_lm(self, running: list[Request], now: float) -> list[tuple[Request, int]]:
         active = sorted((r for r in running if r.on_lm), key=lambda r: r.arrival)
