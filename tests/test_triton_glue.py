@@ -425,3 +425,11 @@ def test_launcher_prepares_a_backend_dir_with_this_pythons_stub(tmp_path: Path):
         assert (backends / "python" / "libtriton_python.so").exists()
     env = server_env(install, {"PATH": "/usr/bin"})
     assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
+
+
+def test_engine_errors_name_the_tensor_the_client_sent():
+    e = fields.for_client(InvalidRequest("max_tokens is 100000; this server allows at most 1200 for orpheus",
+                                         field="max_tokens"))
+    assert str(e).startswith("MAX_TOKENS is 100000") and e.field == "max_tokens"
+    untouched = InvalidRequest("prompt is empty", field="prompt_ids")
+    assert fields.for_client(untouched) is untouched

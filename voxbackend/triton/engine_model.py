@@ -73,7 +73,10 @@ class EngineModel:
                 ids = fields.prepare_request(get, self.model, self.inputs)
             sampling = fields.sampling(get, self.model.default_sampling())  # draws the seed when absent
             stream.seed, stream.probes = sampling.seed, fields.cancel_probes(get)
-            self.engine.submit(ids, sampling, self.loop.on_event, request_id=request_id)
+            try:
+                self.engine.submit(ids, sampling, self.loop.on_event, request_id=request_id)
+            except InvalidRequest as e:  # the engine names its own fields (max_tokens); the client sent tensors
+                raise fields.for_client(e, self.inputs) from None
         except (InvalidRequest, EngineOverloaded, EngineDead) as e:
             self.loop.reject(request_id, f"{type(e).__name__}: {e}")
         except Exception as e:  # never raise out of execute: the stream would never end

@@ -63,7 +63,7 @@ def prepare_request(get: Getter, model, specs: tuple[TensorSpec, ...]) -> list:
     try:
         return model.prepare(text, **kwargs)
     except InvalidRequest as e:
-        raise _for_client(e, specs) from None
+        raise for_client(e, specs) from None
 
 
 def prepare_kwargs(get: Getter, specs: tuple[TensorSpec, ...]) -> dict:
@@ -203,7 +203,7 @@ def _tensor_name(field: str, specs: tuple[TensorSpec, ...]) -> str | None:
     return None
 
 
-def _for_client(e: InvalidRequest, specs: tuple[TensorSpec, ...] = ()) -> InvalidRequest:
+def for_client(e: InvalidRequest, specs: tuple[TensorSpec, ...] = ()) -> InvalidRequest:
     """The engine's message speaks in engine-side names (e.field); the client sent tensor names."""
     field = (e.field or "").partition(" ")[0]  # "context[0].audio sample_rate": the field, then a qualifier
     tensor = _tensor_name(field, specs) if field else None
@@ -230,7 +230,7 @@ def sampling(get: Getter, defaults: SamplingParams) -> SamplingParams:
     try:
         return dataclasses.replace(defaults, **overrides).validated()
     except InvalidRequest as e:
-        raise _for_client(e) from None
+        raise for_client(e) from None
 
 
 def audio_format(get: Getter) -> str:
