@@ -1169,7 +1169,10 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     suite = Suite(args)
     models = served_models(probes, args.bad_inputs)
-    settings = {"max_queue": str(MAX_QUEUE)}
+    # playback_margin_s: with KV pages that grow, a new stream (pressing: no audio yet) may preempt running streams
+    # that are comfortably ahead of their listeners instead of waiting; a huge margin keeps every stream pressing,
+    # so the probes that need requests really waiting in the queue (kill_queued, overload) can fill it
+    settings = {"max_queue": str(MAX_QUEUE), "playback_margin_s": "1000"}
     results: list[Result] = []
     try:
         if models:
