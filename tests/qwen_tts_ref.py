@@ -1,20 +1,14 @@
 """The Qwen3-TTS reference (`qwen-tts-hf`, installed --no-deps) and tiny random checkpoints in its layout.
 
-`import qwen_tts` pulls sox, onnxruntime, librosa and torchaudio for paths the 12 Hz talker never runs (25 Hz
-tokenizer, audio I/O); they get empty stand-in modules for the import only, removed again afterwards so no other
-test sees them."""
+The import goes through tests/qwen_tts_oracle.py (shared with the codec tests): empty stand-ins for sox,
+onnxruntime, librosa and torchaudio during the import only, and transformers' global RoPE table left as it was."""
 from __future__ import annotations
 
-import importlib.machinery
-import sys
-import types
 from pathlib import Path
 
-import pytest
 import torch
 
-STAND_INS = {"sox": False, "onnxruntime": False, "librosa": True, "librosa.filters": False, "torchaudio": True,
-             "torchaudio.compliance": True, "torchaudio.compliance.kaldi": False}  # name -> is a package
+from tests.qwen_tts_oracle import import_qwen_tts, reference_rope
 
 TALKER = dict(
     vocab_size=3072, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -30,26 +24,11 @@ TALKER = dict(
 
 
 def import_reference():
-    """(modeling, configuration) modules of qwen_tts; skips the test when qwen-tts-hf is not installed."""
-    if importlib.util.find_spec("qwen_tts") is None:
-        pytest.skip("qwen-tts-hf is not installed (scripts/setup_env.sh installs it --no-deps)")
-    import transformers  # noqa: F401  (its import-time package checks run before the stand-ins exist)
+    """(modeling, configuration) modules of qwen_tts, imported through the shared oracle loader (stand-ins for
+    its unused imports, no global RoPE entry left behind; tests/qwen_tts_oracle.py)."""
+    import_qwen_tts()
+    from qwen_tts.core.models import configuration_qwen3_tts, modeling_qwen3_tts
 
-    added = []
-    for name, package in STAND_INS.items():
-        if name not in sys.modules:
-            module = types.ModuleType(name)
-            module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=package)
-            if package:
-                module.__path__ = []
-            sys.modules[name] = module
-            added.append(name)
-    sys.modules["librosa.filters"].mel = None
-    try:
-        from qwen_tts.core.models import configuration_qwen3_tts, modeling_qwen3_tts
-    finally:
-        for name in added:
-            del sys.modules[name]
     return modeling_qwen3_tts, configuration_qwen3_tts
 
 
@@ -65,7 +44,8 @@ def write_tiny_qwen3_tts(out: Path, seed: int = 0):
                                           tokenizer_type="qwen3_tts_tokenizer_12hz", tts_model_size="0b6")
     config.architectures = ["Qwen3TTSForConditionalGeneration"]
     torch.manual_seed(seed)
-    model = modeling.Qwen3TTSForConditionalGeneration(config).eval()
+    with reference_rope():  # its RoPE modules look up a "default" initializer while they are built
+        model = modeling.Qwen3TTSForConditionalGeneration(config).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -43,7 +43,7 @@ def test_paged_forward_matches_transformers(tiny):
     model, attn, pool = engine.model, engine.attention, engine.pool
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (13, 5, 9)]
-    pages = [pool.reserve(f"r{i}", 40) for i in range(3)]
+    pages = [pool.allocate(f"r{i}", 40) for i in range(3)]
     with torch.no_grad():
         # prefill all three in one flattened batch; sequence 0 in two chunks (8 then 5 tokens)
         ids, pos, seqs = [], [], []

@@ -83,7 +83,7 @@ def test_paged_talker_matches_reference(tiny):
     attn = TorchPagedAttention(pool.cache, pool.page_size, pool.scratch_page, talker.cfg.head_dim ** -0.5)
     g = torch.Generator().manual_seed(0)
     prompts = [_rows(g, n) for n in (11, 4, 7)]
-    pages = [pool.reserve(f"r{i}", 40) for i in range(3)]
+    pages = [pool.allocate(f"r{i}", 40) for i in range(3)]
     with torch.no_grad():
         # prefill all three in one flattened batch; sequence 0 in two chunks (6 then 5 rows)
         firsts = [6, 4, 7]
@@ -125,7 +125,7 @@ def test_code_predictor_greedy_codes_equal_reference_generate(tiny):
     prompts = [_rows(g, n) for n in (5, 8, 3, 6)]
     seqs, start = [], 0
     for i, p in enumerate(prompts):
-        seqs.append(SeqSlice(start, len(p), 0, pool.reserve(f"r{i}", len(p))))
+        seqs.append(SeqSlice(start, len(p), 0, pool.allocate(f"r{i}", len(p))))
         start += len(p)
     with torch.no_grad():
         attn.plan(seqs)
