@@ -109,10 +109,15 @@ def reference_pcm16(service, text: str, voice: str | None, seed: int, max_tokens
     return np.round(out.audio * 32767.0).astype(np.int32)
 
 
+PCM16_TOLERANCE = 4  # steps of 1/32768: 1e-4 plus the rounding to PCM16
+
+
 def assert_same_audio(got: np.ndarray, want: np.ndarray, what: str) -> None:
     assert got.size == want.size and got.size > 0, f"{what}: {got.size} samples, the Triton client got {want.size}"
     worst = int(np.max(np.abs(got.astype(np.int32) - want.astype(np.int32))))
-    assert worst <= 1, f"{what}: samples differ by up to {worst} PCM16 steps"
+    # float rounding only: the codec batches a stream's windows differently from run to run (the e2e tests'
+    # 1e-4 is about 3 PCM16 steps); a wrong seed or request differs by thousands
+    assert worst <= PCM16_TOLERANCE, f"{what}: samples differ by up to {worst} PCM16 steps"
 
 
 def speak(client, text: str, seed: int, voice: str = "tara", response_format: str = "wav", **extra):
@@ -182,7 +187,7 @@ def test_compressed_formats_decode_to_the_same_length(service, client, response_
     assert rate == RATE
     if response_format == "flac":  # lossless
         assert audio.size == want.size
-        assert np.max(np.abs(np.round(audio * 32768).astype(np.int32) - want)) <= 1
+        assert np.max(np.abs(np.round(audio * 32768).astype(np.int32) - want)) <= PCM16_TOLERANCE
     else:  # lossy codecs may pad to their frame size
         assert abs(audio.size - want.size) <= 0.05 * want.size, (audio.size, want.size)
 
