@@ -35,7 +35,7 @@ def _on_path(*folders: str):
     paths = [ORACLES / f for f in folders]
     for path in paths:
         if not path.is_dir():
-            pytest.skip(f"oracle not installed at {path} (run scripts/setup_env.sh)")
+            pytest.fail(f"oracle not installed at {path} (run scripts/setup_env.sh)")
     sys.path.extend(str(p) for p in paths)
     try:
         yield

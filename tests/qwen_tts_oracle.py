@@ -66,9 +66,9 @@ def _reference_rope_init():
 
 
 def import_qwen_tts():
-    """The `qwen_tts` package (and all its modules, imported once); skips the test when it is not installed."""
+    """The `qwen_tts` package (and all its modules, imported once); fails the test when it is not installed."""
     if importlib.util.find_spec("qwen_tts") is None:
-        pytest.skip("qwen-tts-hf (the Qwen3-TTS oracle) is not installed; scripts/setup_env.sh installs it")
+        pytest.fail("qwen-tts-hf (the Qwen3-TTS oracle) is not installed; scripts/setup_env.sh installs it")
     if "qwen_tts" not in sys.modules:
         added = _install_stand_ins()
         try:
