@@ -7,6 +7,19 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of tiny tensors (`pytestmark = pytest.mark.usefixtures("one_thread")`): with intra-op threads
+    every small op pays a fan-out, and on a shared 2-core machine a stalled thread (measured: 1-frame Qwen3-TTS
+    codec windows 20x slower with 2 threads than with 1). Restored after the module."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_orpheus(tmp_path_factory):
     """(model_dir, codec_dir): tiny random Orpheus LM + SNAC 24 kHz (decoder_dim 64), seed 0."""

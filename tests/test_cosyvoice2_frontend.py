@@ -30,13 +30,7 @@ from voxbackend.models.cosyvoice2_frontend import CosyVoice2Frontend, VoicePromp
 from voxbackend.tools.tiny_cosyvoice2_frontend import write_tiny_frontend
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # ~60 small convs per CAMPPlus call: threads only add contention on a shared CPU
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
 
 @pytest.fixture(scope="module")

@@ -25,14 +25,7 @@ TOL = 1e-5
 WINDOW = 72
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tensors are tiny: with intra-op threads every op pays a fan-out, and on a shared machine a stalled
-    thread (measured here: 1-frame windows 20x slower with 2 threads than with 1). Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
 
 @pytest.fixture(scope="module")
