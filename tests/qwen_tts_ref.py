@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from tests.qwen_tts_oracle import import_qwen_tts, reference_rope
+from tests.util_decoder import randomize
 
 TALKER = dict(
     vocab_size=3072, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -46,17 +47,7 @@ def write_tiny_qwen3_tts(out: Path, seed: int = 0):
     torch.manual_seed(seed)
     with reference_rope():  # its RoPE modules look up a "default" initializer while they are built
         model = modeling.Qwen3TTSForConditionalGeneration(config).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.rand(p.shape, generator=g) * 0.5 + 0.75)
-            elif p.dim() == 1:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-            elif "embedding" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 1.5 * p.shape[-1] ** -0.5)
+    randomize(model, seed + 1, unit_embeddings=True)
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))

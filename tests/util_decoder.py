@@ -26,14 +26,22 @@ def write_tiny_decoder(family: str, out: Path, seed: int = 0) -> transformers.Pr
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**COMMON, **extra)).eval()
-    g = torch.Generator().manual_seed(seed + 1)
+    randomize(model, seed + 1)
+    model.save_pretrained(out, safe_serialization=True)
+    return model
+
+
+def randomize(model: torch.nn.Module, seed: int, unit_embeddings: bool = False) -> None:
+    """Redraw every parameter (biases and norm weights too), so a weight loaded in the wrong place changes the
+    logits. unit_embeddings: embedding tables at std 1 instead of the matrices' scale."""
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(torch.rand(p.shape, generator=g) * 0.5 + 0.75)
             elif p.dim() == 1:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            elif unit_embeddings and "embedding" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
             else:  # well-separated logits: greedy never meets a near-tie that rounding could flip
                 p.copy_(torch.randn(p.shape, generator=g) * 1.5 * p.shape[-1] ** -0.5)
-    model.save_pretrained(out, safe_serialization=True)
-    return model
