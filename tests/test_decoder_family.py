@@ -7,16 +7,12 @@ import torch
 
 import voxbackend
 from voxbackend import EventKind, SamplingParams
-from voxbackend.attention.base import SeqSlice
 from voxbackend.models import registry
 from voxbackend.models.decoder import DecoderConfig
 from tests.util_decoder import FAMILIES, write_tiny_decoder
+from tests.util_paged import assert_paged_forward_matches
 
 MAX_NEW = 10
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -39,36 +35,7 @@ def test_config_carries_each_familys_layer(tiny):
 
 def test_paged_forward_matches_transformers(tiny):
     _, path, ref = tiny
-    engine = voxbackend.load(path, kv_pages=64, page_size=4)
-    model, attn, pool = engine.model, engine.attention, engine.pool
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (13, 5, 9)]
-    pages = [pool.allocate(f"r{i}", 40) for i in range(3)]
-    with torch.no_grad():
-        # prefill all three in one flattened batch; sequence 0 in two chunks (8 then 5 tokens)
-        ids, pos, seqs = [], [], []
-        for i, n in ((0, 8), (1, 5), (2, 9)):
-            seqs.append(SeqSlice(len(ids), n, 0, pages[i]))
-            ids += prompts[i][:n]
-            pos += list(range(n))
-        attn.plan(seqs)
-        hidden = model.forward(torch.tensor(ids), torch.tensor(pos), attn)
-        attn.plan([SeqSlice(0, 5, 8, pages[0])])
-        h0 = model.forward(torch.tensor(prompts[0][8:]), torch.arange(8, 13), attn)
-        got = {0: model.logits(h0)[-1], 1: model.logits(hidden[8 + 4]), 2: model.logits(hidden[-1])}
-        for i in range(3):
-            assert _rel_err(got[i], ref(torch.tensor([prompts[i]])).logits[0, -1]) <= 1e-4, i
-
-        lengths = [13, 5, 9]  # three decode steps for all three sequences together
-        for step in range(3):
-            new = torch.randint(3, 512, (3,), generator=g).tolist()
-            attn.plan([SeqSlice(i, 1, lengths[i], pages[i]) for i in range(3)])
-            logits = model.logits(model.forward(torch.tensor(new), torch.tensor(lengths), attn))
-            for i in range(3):
-                prompts[i].append(new[i])
-                lengths[i] += 1
-                want = ref(torch.tensor([prompts[i]])).logits[0, -1]
-                assert _rel_err(logits[i], want) <= 1e-4, (step, i)
+    assert_paged_forward_matches(voxbackend.load(path, kv_pages=64, page_size=4), ref, seed=0)
 
 
 def test_greedy_tokens_equal_generate_under_continuous_batching(tiny):
