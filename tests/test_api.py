@@ -16,8 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +34,7 @@ from voxbackend.api import errors as api_errors, gauges  # noqa: E402
 from voxbackend.api.sentences import SentenceBuffer  # noqa: E402
 from voxbackend.models.orpheus import VOICES  # noqa: E402
 from voxbackend.triton.server import free_port  # noqa: E402
+from tests.util_http import get_json, http_status  # noqa: E402
 
 MAX_TOKENS = 63  # 9 Orpheus frames: a few chunks per stream keeps 2-core runs quick
 TOP_K = 8  # no near-ties in the tiny model's flat distribution (see test_triton_e2e.py)
@@ -58,7 +57,7 @@ def service(tiny_orpheus, tmp_path_factory):
     api = f"http://127.0.0.1:{ports['api']}"
     try:
         deadline = time.monotonic() + 420
-        while _status(f"{api}/health") != 200:
+        while http_status(f"{api}/health") != 200:
             assert proc.poll() is None, f"voxbackend serve exited {proc.returncode}:\n{_tail(work / 'serve.log')}"
             assert time.monotonic() < deadline, f"/health never answered 200:\n{_tail(work / 'serve.log')}"
             time.sleep(0.5)
@@ -73,22 +72,11 @@ def service(tiny_orpheus, tmp_path_factory):
                 proc.wait(10)
         log.close()
     assert proc.returncode == 0, f"voxbackend serve exited {proc.returncode} on SIGINT:\n{_tail(work / 'serve.log')}"
-    assert _status(f"{api}/health") is None, "the API still answers after SIGINT"
+    assert http_status(f"{api}/health") is None, "the API still answers after SIGINT"
 
 
-def _status(url: str) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return None
 
 
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.load(r)
 
 
 def _tail(path: Path, lines: int = 60) -> str:
@@ -226,15 +214,15 @@ def test_models_and_voices_come_from_the_server(service, client):
     assert list(models) == ["orpheus"]  # the ensemble; its preprocess/engine/postprocess steps are not listed
     info = models["orpheus"].model_dump()
     assert info["engine"] == "orpheus_engine" and info["sample_rate"] == RATE and info["voices"] == list(VOICES)
-    voices = _get(service["api"] + "/v1/audio/voices")
+    voices = get_json(service["api"] + "/v1/audio/voices")
     assert [v["voice_id"] for v in voices["voices"] if v["model"] == "orpheus"] == list(VOICES)
 
 
 def test_health_and_gauges(service):
-    health = _get(service["api"] + "/health")
+    health = get_json(service["api"] + "/health")
     assert health["status"] == "ok" and health["triton"] == "ready"
     assert health["engines"] == {"orpheus_engine": {"alive": True}}
-    stats = _get(service["api"] + "/v1/stats")["models"]["orpheus"]
+    stats = get_json(service["api"] + "/v1/stats")["models"]["orpheus"]
     assert stats["engine"] == "orpheus_engine" and stats["engine_alive"] is True
     assert stats["kv_pages_total"] > 0 and stats["active_streams"] >= 0
 
@@ -243,7 +231,7 @@ def wait_idle(service, timeout: float = 10.0) -> float:
     """Seconds until the engine's active-streams gauge reads 0 (fails after timeout)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        stats = _get(service["api"] + "/v1/stats")["models"]["orpheus"]
+        stats = get_json(service["api"] + "/v1/stats")["models"]["orpheus"]
         if stats["active_streams"] == 0 and stats["kv_pages_used"] == 0:
             return time.monotonic() - t0
         time.sleep(0.2)
@@ -252,7 +240,7 @@ def wait_idle(service, timeout: float = 10.0) -> float:
 
 def wait_active(service, timeout: float = 30.0) -> None:
     t0 = time.monotonic()
-    while _get(service["api"] + "/v1/stats")["models"]["orpheus"]["active_streams"] == 0:
+    while get_json(service["api"] + "/v1/stats")["models"]["orpheus"]["active_streams"] == 0:
         assert time.monotonic() - t0 < timeout, "the request never became active"
         time.sleep(0.05)
 
@@ -336,7 +324,7 @@ def test_server_down_is_503(tmp_path):
     from voxbackend.api.server import ApiServer
 
     with ApiServer(f"127.0.0.1:{free_port()}", None, prefetch_voices=False).start(30, wait_healthy=False) as api:
-        assert _status(api.url + "/health") == 503
+        assert http_status(api.url + "/health") == 503
         down = openai.OpenAI(base_url=api.url + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.InternalServerError) as e:
             down.audio.speech.create(model="orpheus", voice="tara", input="Hello.")

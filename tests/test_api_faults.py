@@ -25,6 +25,7 @@ from clients.tts_stream import make_inputs, stream_request  # noqa: E402
 from voxbackend.api.server import ApiServer  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
 from tests.triton_util import serve  # noqa: E402
+from tests.util_http import get_json, http_status  # noqa: E402
 
 FAKE = {
     "checkpoint": "unused",  # the fake ignores it; a non-empty value skips building the default checkpoint
@@ -79,7 +80,7 @@ def test_past_the_queue_requests_get_429(api, client):
 
 
 def test_an_engine_death_is_503_and_health_says_so(triton, api, client):
-    assert _status(api.url + "/health") == 200
+    assert http_status(api.url + "/health") == 200
     deadline = time.monotonic() + 20
     while _stats(api)["active_streams"] or _stats(api)["queued_requests"]:  # the last test's streams have ended
         assert time.monotonic() < deadline, _stats(api)
@@ -135,7 +136,7 @@ def test_an_engine_death_is_503_and_health_says_so(triton, api, client):
         client.audio.speech.create(model="orpheus", voice="tara", input="hello again")
     assert e.value.status_code == 503 and e.value.code == "engine_dead"
     deadline = time.monotonic() + 10
-    while _status(api.url + "/health") != 503:
+    while http_status(api.url + "/health") != 503:
         assert time.monotonic() < deadline, "/health still says ok after the engine died"
         time.sleep(0.2)
     with pytest.raises(urllib.error.HTTPError) as health:
@@ -146,15 +147,6 @@ def test_an_engine_death_is_503_and_health_says_so(triton, api, client):
 
 
 def _stats(api) -> dict:
-    with urllib.request.urlopen(api.url + "/v1/stats", timeout=5) as r:
-        return json.load(r)["models"]["orpheus"]
+    return get_json(api.url + "/v1/stats")["models"]["orpheus"]
 
 
-def _status(url: str) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return None
