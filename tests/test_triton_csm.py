@@ -25,7 +25,7 @@ import tritonclient.grpc as tritonclient  # noqa: E402
 
 from clients.tts_stream import StreamOutcome, context_fields, make_inputs, stream_request  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
-from tests.triton_util import serve  # noqa: E402
+from tests.triton_util import assert_matches, run_concurrently, serve  # noqa: E402
 
 
 FOLDERS = ("csm", "csm_engine", "csm_preprocess", configs.POSTPROCESS)
@@ -120,25 +120,8 @@ def reference(server, cache_dir):
     engine.shutdown()
 
 
-def run_concurrently(jobs: list) -> list[StreamOutcome]:
-    results: list = [None] * len(jobs)
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, jobs[i]())) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    return results
 
 
-def assert_matches(out: StreamOutcome, expected: np.ndarray, fmt: str, what: str) -> None:
-    assert out.error is None, f"{what}: {out.error}"
-    assert out.finish_reason in ("stop", "length"), what
-    assert out.sample_rate == RATE
-    assert out.indices == list(range(len(out.chunks))) and out.arrived_in_order, f"{what}: chunks out of order"
-    want = np.clip(expected, -1, 1) if fmt == "pcm16" else expected
-    assert out.audio.size == want.size, f"{what}: {out.audio.size} samples, expected {want.size}"
-    atol = 1e-4 + (1.0 / 32767 if fmt == "pcm16" else 0.0)  # PCM16 rounds each sample
-    np.testing.assert_allclose(out.audio, want, atol=atol, err_msg=what)
 
 
 # ---------------------------------------------------------------- streams match the engine

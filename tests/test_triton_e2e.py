@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +24,7 @@ import tritonclient.grpc as tritonclient  # noqa: E402
 
 from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
-from tests.triton_util import serve  # noqa: E402
+from tests.triton_util import assert_matches, metric, metric_values, run_concurrently, serve  # noqa: E402
 
 
 MAX_TOKENS = 63  # 9 Orpheus frames: a handful of chunks per stream keeps 2-core runs quick
@@ -82,43 +80,12 @@ def reference(server, cache_dir):
     engine.shutdown()
 
 
-def run_concurrently(jobs: list) -> list[StreamOutcome]:
-    results: list = [None] * len(jobs)
-
-    def run(i):
-        results[i] = jobs[i]()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    return results
 
 
-def assert_matches(out: StreamOutcome, expected: np.ndarray, fmt: str, what: str) -> None:
-    assert out.error is None, f"{what}: {out.error}"
-    assert out.finish_reason in ("stop", "length"), what
-    assert out.sample_rate == 24000
-    assert out.indices == list(range(len(out.chunks))) and out.arrived_in_order, f"{what}: chunks out of order"
-    # The engine may merge several ready windows into one chunk, so chunk boundaries depend on timing; the
-    # samples do not. Compare the whole stream, sample for sample.
-    want = np.clip(expected, -1, 1) if fmt == "pcm16" else expected
-    assert out.audio.size == want.size, f"{what}: {out.audio.size} samples, expected {want.size}"
-    atol = 1e-4 + (1.0 / 32767 if fmt == "pcm16" else 0.0)
-    np.testing.assert_allclose(out.audio, want, atol=atol, err_msg=what)
 
 
-def metric_values(server, name: str) -> dict[str, float]:
-    """{label string: value} for one metric family on the metrics port."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    return {m.group(1) or "": float(m.group(2))
-            for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.MULTILINE)}
 
 
-def metric(server, name: str, **labels) -> float:
-    values = metric_values(server, name)
-    return sum(v for k, v in values.items() if all(f'{lk}="{lv}"' in k for lk, lv in labels.items()))
 
 
 def wait_for(predicate, timeout: float = 15.0) -> bool:

@@ -6,11 +6,9 @@ The engine-death test runs last: it leaves the model without an engine.
 """
 from __future__ import annotations
 
-import re
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
-from tests.triton_util import serve  # noqa: E402
+from tests.triton_util import metric, run_concurrently, serve  # noqa: E402
 
 
 FAKE = {
@@ -40,20 +38,8 @@ def server(tmp_path_factory):
     yield from serve(repo, tmp_path_factory.mktemp("triton"), stop_within_s=30, clean_exit=False)
 
 
-def metric(server, name: str) -> float:
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.MULTILINE))
 
 
-def run_concurrently(jobs) -> list[StreamOutcome]:
-    results: list = [None] * len(jobs)
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, jobs[i]())) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-        time.sleep(0.02)  # arrive in order, so the first ones take the pages
-    for t in threads:
-        t.join(120)
-    return results
 
 
 @pytest.mark.parametrize("model", ["orpheus_engine", "orpheus"])
@@ -62,7 +48,7 @@ def test_more_requests_than_the_pool_holds_queue_then_get_overloaded(server, mod
         lambda i=i: stream_request(server.grpc_url, model, make_inputs(f"request number {i:02d}", MAX_TOKENS=700),
                                    "pcm16", timeout=60, linger_s=0.2)
         for i in range(8)
-    ])
+    ], stagger_s=0.02, timeout=120)  # arrive in order, so the first ones take the pages
     done = [o for o in outs if o.error is None]
     refused = [o for o in outs if o.error is not None]
     assert len(done) >= 4, "two running plus two queued must be served"  # the queue is a wait, not a refusal
