@@ -113,7 +113,7 @@ def test_a_bad_later_piece_is_refused_naming_the_field_and_the_utterance_goes_on
     engine, _, seqs = rig
     stream = piece(seqs, 2, "Hello there, ", start=True, **sampling_inputs())
     voice = piece(seqs, 2, "how are", VOICE=np.array([b"leo"], dtype=np.object_))
-    assert voice.final[1].startswith("InvalidRequest: VOICE is read from the first piece")
+    assert voice.final[1].startswith("[request id: p2] InvalidRequest: VOICE is read from the first piece")
     utf8 = piece(seqs, 2, b"\xff\xfe")
     assert "TEXT is not valid UTF-8" in utf8.final[1]
     piece(seqs, 2, "how are you?", end=True)
@@ -137,7 +137,7 @@ def test_first_piece_errors_end_the_stream_naming_the_field(rig):
     bad_top_p = piece(seqs, 5, "Hello there ", start=True, TOP_P=np.array([0.0], np.float32))
     assert bad_top_p.final[1].startswith("InvalidRequest: TOP_P must be in")
     empty = piece(seqs, 6, "  ", start=True)
-    assert piece(seqs, 6, "", end=True).final[1] == empty.final[1]
+    assert piece(seqs, 6, "", end=True).final[1] == "[request id: p6] " + empty.final[1]
     assert "TEXT is empty" in empty.final[1]
     assert seqs.open_count == 0 and wait_for(lambda: pages_used(engine) == 0)
 

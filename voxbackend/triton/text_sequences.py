@@ -82,10 +82,12 @@ class TextSequences:
                 return
             seq = self._open.get(p.corrid)
             if seq is None:
-                self.loop.reply(p.responder, f"InvalidRequest: TEXT: sequence {p.corrid} has no open utterance "
+                tag = f"[request id: {p.request_id}] " if p.request_id else ""
+                self.loop.reply(p.responder, f"{tag}InvalidRequest: TEXT: sequence {p.corrid} has no open utterance "
                                              "(its first piece was refused, it ended, or it was idle too long)")
                 return
             seq.last_piece = p.arrived
+            tag = f"[request id: {p.request_id}] " if p.request_id else ""  # Triton's own form: says which piece
             try:
                 extra = sorted(set(p.names) - {"TEXT"})
                 if extra:
@@ -93,9 +95,10 @@ class TextSequences:
                                          "later pieces carry TEXT alone", field=fields.engine_field(extra[0]))
                 text = piece_text(p.get)
             except InvalidRequest as e:
-                self.loop.reply(p.responder, f"InvalidRequest: {e}")  # this piece only: the utterance goes on
+                self.loop.reply(p.responder, f"{tag}InvalidRequest: {e}")  # this piece only: the utterance goes on
                 return
-            self.loop.reply(p.responder, self._feed(seq, text, p.end))
+            error = self._feed(seq, text, p.end)
+            self.loop.reply(p.responder, None if error is None else tag + error)
 
     def _begin(self, p: Piece) -> None:
         old = self._open.pop(p.corrid, None)
