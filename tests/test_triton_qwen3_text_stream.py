@@ -27,7 +27,7 @@ from tests.triton_util import serve  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
 
 MODEL = "qwen3_tts_text_stream"
-GREEDY = {"TEMPERATURE": 0.0, "REPETITION_PENALTY": 1.0, "SEED": 3, "MAX_TOKENS": 40}
+GREEDY = {"TEMPERATURE": 0.0, "REPETITION_PENALTY": 1.0, "SEED": 3, "MAX_TOKENS": 60}
 TEXT = "Hello there, how are you doing today? I'm fine, thanks."
 PIECES = ["Hel", "lo the", "re, how", " are you do", "ing today? I'", "m fine, th", "anks."]
 PCM16_STEPS = 4 / 32767
@@ -35,9 +35,17 @@ PCM16_STEPS = 4 / 32767
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    if "qwen3_tts" not in {m.name for m in configs.SERVED_MODELS}:  # until its registry entry says `served`
+        from voxbackend.models.registry import get_kind
+
+        kind = get_kind("qwen3_tts")
+        mp.setattr(configs, "SERVED_MODELS", (*configs.SERVED_MODELS, configs.ServedModel(
+            kind.name, "Qwen3-TTS-12Hz", kind.tiny_checkpoint, text_streaming=kind.model.text_streaming)))
     repo = configs.write_repository(tmp_path_factory.mktemp("repo") / "model_repository",
                                     {"kv_pages": "256", "max_batch": "4"}, models=["qwen3_tts"])
     assert (repo / MODEL / "config.pbtxt").is_file(), "qwen3_tts has text_streaming: the generator renders it"
+    mp.undo()
     yield from serve(repo, tmp_path_factory.mktemp("triton"), stop_within_s=30)
 
 
