@@ -66,13 +66,15 @@ def test_pieces_with_delays_give_the_whole_texts_audio(server):
     whole = stream_request(server.grpc_url, "qwen3_tts", make_inputs(TEXT, **GREEDY), timeout=120)
     assert whole.error is None and whole.chunks, whole.error
     pieces = stream_text_pieces(server.grpc_url, MODEL, PIECES, make_inputs(None, batched=True, **GREEDY),
-                                piece_delay=0.15, timeout=120)
+                                piece_delay=0.4, timeout=120)
     assert pieces.error is None, pieces.error
     # a random-weight model may stop (EOS or MAX_TOKENS) before the text ends, then at the same step both ways;
     # pieces sent after that are refused, naming TEXT
     assert all("InvalidRequest: TEXT" in e and "finished" in e for e in pieces.piece_errors), pieces.piece_errors
     assert pieces.finish_reason == whole.finish_reason and pieces.audio.size == whole.audio.size
     np.testing.assert_allclose(pieces.audio, whole.audio, atol=PCM16_STEPS)
+    # a piece (2-3 ids) lasts the tiny model well under 0.4 s: the request really waited for text, mid-stream
+    assert np.diff(pieces.arrivals).max() > 0.25
 
 
 def test_bad_inputs_are_refused_naming_the_field(server):
