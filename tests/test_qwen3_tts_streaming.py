@@ -217,3 +217,13 @@ def test_text_open_needs_a_streaming_model(tiny_csm):
     with pytest.raises(InvalidRequest) as err:
         Engine(csm, EngineConfig(kv_pages=16)).submit(csm.prepare("hi"), text_open=True)
     assert err.value.field == "text"
+
+
+def test_release_layout_tokenizer_files_give_the_same_prompt(checkpoint, tmp_path):
+    """The official release ships vocab.json + merges.txt (no tokenizer.json): the same ids either way."""
+    bare = tmp_path / "bare"
+    shutil.copytree(checkpoint, bare)
+    (bare / "tokenizer.json").unlink()
+    for text in (TEXT, "two\nlines 12 3.5", " spaced  out "):
+        assert load_frontend(bare).prepare(text, "ryan", instruct="Speak slowly.") == load_frontend(
+            checkpoint).prepare(text, "ryan", instruct="Speak slowly.")
