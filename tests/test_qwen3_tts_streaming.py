@@ -217,3 +217,32 @@ def test_text_open_needs_a_streaming_model(tiny_csm):
     with pytest.raises(InvalidRequest) as err:
         Engine(csm, EngineConfig(kv_pages=16)).submit(csm.prepare("hi"), text_open=True)
     assert err.value.field == "text"
+
+
+def test_release_layout_tokenizer_files_give_the_same_prompt(checkpoint, tmp_path):
+    """The official release ships vocab.json + merges.txt (no tokenizer.json): the same ids either way."""
+    bare = tmp_path / "bare"
+    shutil.copytree(checkpoint, bare)
+    (bare / "tokenizer.json").unlink()
+    for text in (TEXT, "two\nlines 12 3.5", " spaced  out "):
+        assert load_frontend(bare).prepare(text, "ryan", instruct="Speak slowly.") == load_frontend(
+            checkpoint).prepare(text, "ryan", instruct="Speak slowly.")
+
+
+def test_an_append_the_model_refuses_on_the_engine_thread_ends_that_request_only(model, monkeypatch):
+    engine = _engine(model)
+    events = {"a": [], "b": []}
+    a = engine.submit(model.prepare("The", "ryan", text_open=True), SamplingParams(**GREEDY, max_tokens=10),
+                      events["a"].append, text_open=True)
+    b = engine.submit(model.prepare(TEXT, "vivian"), SamplingParams(**GREEDY, max_tokens=10), events["b"].append)
+    engine.step()
+
+    def refuse(track, ids, final):
+        raise InvalidRequest("text refused by the model", field="text")
+
+    monkeypatch.setattr(model, "extend_track", refuse)
+    engine.append_text(a, [5], final=False)
+    while not events["b"] or not events["b"][-1].final:
+        engine.step()
+    assert events["a"][-1].kind is EventKind.ERROR and "refused by the model" in events["a"][-1].error
+    assert events["b"][-1].finish_reason == "length" and engine.pool.used_pages == 0

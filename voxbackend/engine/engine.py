@@ -1,7 +1,8 @@
 """The engine loop: admit, schedule, LM step, sample, detokenize, emit. One thread per engine.
 
 Callers on other threads only touch the inbox (submissions, cancellations and appended text) under a lock;
-everything else is owned by the engine thread. Events go out through each request's `on_event` callback, which must not block.
+everything else is owned by the engine thread. Events go out through each request's `on_event` callback, which
+must not block.
 """
 from __future__ import annotations
 
@@ -126,8 +127,9 @@ class Engine:
         `final` closes its text (the model then ends it: tts_eos, then pads). Goes through the inbox like
         cancel. Refused with InvalidRequest(field="text") for a request that is unknown, finished or already
         closed; a request that finishes while the append is in the inbox (it stopped, was cancelled) just
-        ignores it: its final event is already out."""
-        ids = self.model.check_track_ids(ids) if self.model.text_streaming else ids
+        ignores it: its final event is already out. Ids its model refuses on the engine thread end the request
+        with an ERROR event."""
+        ids = self.model.check_track_ids(ids)  # refused here for a model without text streaming
         with self._lock:
             if request_id not in self._open_text:
                 raise InvalidRequest(f"request {request_id!r} is unknown, finished or its text is already closed",
@@ -289,7 +291,13 @@ class Engine:
                 r = live.get(rid)
                 if r is None or r.lm_done:  # finished while the append was in the inbox
                     continue
-                self.model.extend_track(r.track, ids, final)
+                try:
+                    self.model.extend_track(r.track, ids, final)
+                except InvalidRequest as exc:  # what append_text could not tell synchronously: this request ends
+                    if r in self.waiting:
+                        self.waiting.remove(r)
+                    self._finish(r, error=str(exc))
+                    continue
                 if r.awaiting_input:
                     self._feed(r)
         if not cancels:

@@ -182,7 +182,8 @@ class Qwen3TTSFrontend(SpeechModel):
             raise InvalidRequest(f"instruct must be a string, got {type(instruct).__name__}", field="instruct")
         if instruct:
             if not self.takes_instruct:
-                raise InvalidRequest("this checkpoint (Qwen3-TTS 0.6B CustomVoice) takes no instruct", field="instruct")
+                raise InvalidRequest("instruct is not taken by this checkpoint (Qwen3-TTS 0.6B CustomVoice)",
+                                     field="instruct")
             instruct = self._text(instruct, "instruct")
             ids = [self.im_start, *self.encode("user\n" + instruct), self.im_end, *self.encode("\n")]
             rows += [self._text_row(t) for t in ids]
@@ -231,21 +232,22 @@ class Qwen3TTSFrontend(SpeechModel):
     def _speaker(self, voice) -> str | None:
         if self.variant == "voice_design":
             if voice is not None and voice != "":
-                raise InvalidRequest("VoiceDesign checkpoints take no voice: describe it in instruct", field="voice")
+                raise InvalidRequest("voice is not taken by VoiceDesign checkpoints: describe the voice in instruct",
+                                     field="voice")
             return None
         if voice is None or voice == "":
             return self.voices[0] if self.voices else None
         if not isinstance(voice, str) or voice.lower() not in self.speakers:
-            raise InvalidRequest(f"unknown voice {voice!r}; this checkpoint's speakers: {', '.join(self.voices)}",
-                                 field="voice")
+            raise InvalidRequest(f"voice {voice!r} is not a speaker of this checkpoint; speakers: "
+                                 f"{', '.join(self.voices)}", field="voice")
         return voice.lower()
 
     def _language_id(self, language, speaker: str | None) -> int | None:
         if language is None or language == "":
             language = "auto"
         if not isinstance(language, str) or language.lower() not in self.supported_languages:
-            raise InvalidRequest(f"unknown language {language!r}; supported: {', '.join(self.supported_languages)}",
-                                 field="language")
+            raise InvalidRequest(f"language {language!r} is not supported; supported: "
+                                 f"{', '.join(self.supported_languages)}", field="language")
         language = language.lower()
         dialect = self.dialects.get(speaker, False) if speaker else False
         if language in ("chinese", "auto") and dialect:  # a dialect speaker speaks its dialect

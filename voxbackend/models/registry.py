@@ -56,6 +56,7 @@ KINDS: dict[str, ModelKind] = {k.name: k for k in (
         name="qwen3_tts", detect=qwen3_tts_frontend.is_qwen3_tts_config, model=qwen3_tts_model.Qwen3TTS,
         frontend=qwen3_tts_frontend.Qwen3TTSFrontend, codec=qwen3_tts_frontend.find_speech_tokenizer,
         tiny_checkpoint="voxbackend.tools.tiny_qwen3_tts:ensure_default_qwen3_tts",
+        served="Qwen3-TTS-12Hz (Qwen3 talker + code predictor, 12 Hz codec at 24 kHz)",
     ),
     ModelKind(name="token_lm", detect=token_lm.is_token_lm_config, model=token_lm.TokenLM),
 )}

@@ -91,14 +91,14 @@ def _write_tokenizer(out: Path) -> dict[str, int]:
     return ids
 
 
-def tiny_config(variant: str, ids: dict[str, int]) -> dict:
+def tiny_config(variant: str, ids: dict[str, int], model_size: str = "1b7") -> dict:
     talker = dict(TALKER, **CODEC, code_predictor_config=dict(PREDICTOR),
                   spk_id=dict(SPEAKERS) if variant == "custom_voice" else {},
                   spk_is_dialect=dict(DIALECTS) if variant == "custom_voice" else {},
                   codec_language_id=dict(LANGUAGES))
     return {
         "architectures": ["Qwen3TTSForConditionalGeneration"], "model_type": "qwen3_tts",
-        "tts_model_type": variant, "tts_model_size": "1b7", "tokenizer_type": "qwen3_tts_tokenizer_12hz",
+        "tts_model_type": variant, "tts_model_size": model_size, "tokenizer_type": "qwen3_tts_tokenizer_12hz",
         "im_start_token_id": ids["<|im_start|>"], "im_end_token_id": ids["<|im_end|>"],
         "tts_pad_token_id": ids["<tts_pad>"], "tts_bos_token_id": ids["<tts_text_bos>"],
         "tts_eos_token_id": ids["<tts_text_eod>"], "talker_config": talker, "torch_dtype": "float32",
@@ -162,14 +162,16 @@ def _draw(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tens
     return out
 
 
-def write_tiny_qwen3_tts(out_dir: str | Path, variant: str = "custom_voice", seed: int = 0) -> Path:
+def write_tiny_qwen3_tts(out_dir: str | Path, variant: str = "custom_voice", seed: int = 0,
+                         model_size: str = "1b7") -> Path:
+    """`model_size` is the tts_model_size tag: "0b6" CustomVoice takes no instruct (the architecture stays tiny)."""
     from safetensors.torch import save_file
 
     if variant not in ("custom_voice", "voice_design"):
         raise ValueError(f"variant must be custom_voice or voice_design, got {variant!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = tiny_config(variant, _write_tokenizer(out))
+    cfg = tiny_config(variant, _write_tokenizer(out), model_size)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(GENERATION, indent=2) + "\n")
     save_file(_draw(weight_shapes(cfg), seed), str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -178,7 +180,8 @@ def write_tiny_qwen3_tts(out_dir: str | Path, variant: str = "custom_voice", see
 
 
 def ensure_default_qwen3_tts(root: str | Path | None = None) -> tuple[Path, None]:
-    """(model_dir, None): the tiny CustomVoice checkpoint the `qwen3_tts` Triton models serve by default, built
+    """(model_dir, None): the tiny CustomVoice checkpoint the `qwen3_tts` Triton models serve by default (tagged
+    0.6B, so INSTRUCT is refused there; the parity tests cover 1.7B CustomVoice and VoiceDesign), built
     once into `<VOXBACKEND_CACHE>-qwen3-tts` through a temporary folder and an atomic rename. The codec is the
     checkpoint's speech_tokenizer/ folder, so there is no codec folder."""
     if root is None:
@@ -189,7 +192,7 @@ def ensure_default_qwen3_tts(root: str | Path | None = None) -> tuple[Path, None
         root.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
         try:
-            write_tiny_qwen3_tts(tmp / "qwen3_tts", seed=0)
+            write_tiny_qwen3_tts(tmp / "qwen3_tts", seed=0, model_size="0b6")
             (tmp / ".complete").write_text("ok\n")
             try:
                 os.rename(tmp, root)
@@ -206,8 +209,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--variant", default="custom_voice", choices=("custom_voice", "voice_design"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-size", default="1b7", choices=("1b7", "0b6"), help="tts_model_size tag")
     args = ap.parse_args()
-    print(write_tiny_qwen3_tts(args.out, variant=args.variant, seed=args.seed))
+    print(write_tiny_qwen3_tts(args.out, variant=args.variant, seed=args.seed, model_size=args.model_size))
 
 
 if __name__ == "__main__":
