@@ -31,12 +31,6 @@ MID_WORD_PIECES = ["Hel", "lo the", "re, how", " are you do", "ing today? I'", "
 def served_repository(model: str, dest: Path) -> Path:
     from voxbackend.triton import configs
 
-    if model not in {m.name for m in configs.SERVED_MODELS}:  # a registry kind not marked `served` (yet)
-        from voxbackend.models.registry import get_kind
-
-        kind = get_kind(model)
-        configs.SERVED_MODELS = (*configs.SERVED_MODELS, configs.ServedModel(
-            kind.name, kind.name, kind.tiny_checkpoint, text_streaming=kind.model.text_streaming))
     return configs.write_repository(dest, {"max_batch": "4"}, models=[model])
 
 

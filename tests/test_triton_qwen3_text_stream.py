@@ -35,17 +35,9 @@ PCM16_STEPS = 4 / 32767
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    if "qwen3_tts" not in {m.name for m in configs.SERVED_MODELS}:  # until its registry entry says `served`
-        from voxbackend.models.registry import get_kind
-
-        kind = get_kind("qwen3_tts")
-        mp.setattr(configs, "SERVED_MODELS", (*configs.SERVED_MODELS, configs.ServedModel(
-            kind.name, "Qwen3-TTS-12Hz", kind.tiny_checkpoint, text_streaming=kind.model.text_streaming)))
     repo = configs.write_repository(tmp_path_factory.mktemp("repo") / "model_repository",
                                     {"kv_pages": "256", "max_batch": "4"}, models=["qwen3_tts"])
     assert (repo / MODEL / "config.pbtxt").is_file(), "qwen3_tts has text_streaming: the generator renders it"
-    mp.undo()
     yield from serve(repo, tmp_path_factory.mktemp("triton"), stop_within_s=30)
 
 
