@@ -194,3 +194,20 @@ def test_append_text_after_the_end_is_refused():
             engine.append_text(rid, [1], final=True)
     finally:
         engine.shutdown()
+
+
+def test_an_internal_error_ends_the_stream_and_leaves_nothing_open(rig, monkeypatch):
+    engine, _, seqs = rig
+    stream = piece(seqs, 11, "Hello there, ", start=True, **sampling_inputs())
+    assert wait_for(lambda: len(stream.sent) >= 1)
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "append_text", broken)
+    later = piece(seqs, 11, "how are you? ")
+    assert later.final[1] == "[request id: p11] internal error: RuntimeError: boom"
+    monkeypatch.setattr(seqs.model, "text_tokenizer", None)  # a START that cannot even build its committer
+    broken_start = piece(seqs, 12, "Hello ", start=True)
+    assert broken_start.final[1].startswith("internal error: AttributeError")
+    assert 12 not in seqs._open

@@ -76,6 +76,14 @@ class TextSequences:
 
     # --- Triton's execute thread ---
     def piece(self, p: Piece) -> None:
+        try:
+            self._piece(p)
+        except Exception as e:  # never raise out of execute: the request would never get its final flag
+            log.exception("text piece %s of sequence %s failed", p.request_id, p.corrid)
+            if not p.start:  # a START piece's stream is ended by _begin itself
+                self.loop.reply(p.responder, f"internal error: {type(e).__name__}: {e}")
+
+    def _piece(self, p: Piece) -> None:
         with self._lock:
             if p.start:
                 self._begin(p)
@@ -118,12 +126,15 @@ class TextSequences:
             options = fields.prepare_kwargs(p.get, self.specs)
             sampling = fields.sampling(p.get, self.model.default_sampling())
             text = piece_text(p.get)
+            committer = TextCommitter(self.model.text_tokenizer, self.model.text_piece_ids)
         except InvalidRequest as e:
             self.loop.reject(rid, f"InvalidRequest: {e}")
             return
+        except Exception as e:  # the stream exists: end it, never leave it open
+            self.loop.reject(rid, f"internal error: {type(e).__name__}: {e}")
+            return
         stream.seed = sampling.seed
-        seq = OpenText(p.corrid, stream, TextCommitter(self.model.text_tokenizer, self.model.text_piece_ids), options,
-                       sampling, p.arrived)
+        seq = OpenText(p.corrid, stream, committer, options, sampling, p.arrived)
         self._open[p.corrid] = seq
         error = self._feed(seq, text, p.end, on_stream=True)
         if error is not None:

@@ -18,6 +18,7 @@ import numpy as np
 from voxbackend.triton.audio_encoding import encode
 from voxbackend.triton.engine_model import EngineModel
 from voxbackend.triton.pb_glue import TritonResponder, input_getter
+from voxbackend.triton.text_commit import check_normalizer
 from voxbackend.triton.text_sequences import Piece, TextSequences
 
 CONTROLS = ("START", "END", "READY", "CORRID")
@@ -50,6 +51,7 @@ class TextStreamModel(EngineModel):
         if not getattr(self.model, "text_streaming", False):
             raise ValueError(f"{args['model_name']}: {self.model.spec.name} does not take text in pieces "
                              "(its model has no text_streaming)")
+        check_normalizer(self.model.text_tokenizer)  # the commit rule's precondition: refuse to load otherwise
         batching = json.loads(args["model_config"]).get("sequence_batching") or {}
         idle_s = int(batching.get("max_sequence_idle_microseconds") or DEFAULT_IDLE_US) / 1e6
         self.sequences = TextSequences(self.engine, self.loop, self.inputs, idle_s, stream_id=self.cancels.stream_id)
