@@ -4,6 +4,13 @@
     python -m clients.tts_stream --model csm --speaker 1 --text "Nice to meet you." \
         --context-text "Hi, I'm calling about the flat." --context-audio turn1.wav --out reply.wav
 
+Text in pieces (a model's `<model>_text_stream`, docs/text_streaming.md): the pieces of one utterance go as one
+Triton sequence on one gRPC stream, and TTFA is measured from the first piece sent:
+
+    python -m clients.tts_stream --model qwen3_tts_text_stream --text-pieces "Hello the|re, how are| you?" \
+        --piece-delay 0.2 --out hello.wav
+    my_llm | python -m clients.tts_stream --model qwen3_tts_text_stream --stdin --out reply.wav  # a line = a piece
+
 Prints time to first audio (TTFA), chunks, stalls and on-time chunks (docs/metrics.md), audio seconds and
 "x real time" (audio seconds / wall seconds, higher is better). Works with the `orpheus` ensemble (AUDIO is
 encoded bytes, PCM16 or float32) and with `orpheus_engine` directly (AUDIO is float32 samples).
@@ -12,10 +19,14 @@ from __future__ import annotations
 
 import argparse
 import queue
+import random
+import re
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 
@@ -41,15 +52,17 @@ def context_fields(texts: list[str], audio: list[bytes | np.ndarray | str | Path
 
 def make_inputs(text: str | bytes | None, voice: str | None = None, audio_format: str | None = None, *,
                 speaker: int | None = None, context: dict[str, list] | None = None,
-                context_sample_rate: int | None = None, **sampling) -> list:
+                context_sample_rate: int | None = None, batched: bool = False, **sampling) -> list:
     """Request tensors by name; sampling keys are the tensor names (TEMPERATURE=0.6, SEED=7, ...).
 
     CSM: `speaker`, and `context` as made by context_fields; CONTEXT_AUDIO items are file bytes, or float32
-    arrays sent as raw samples at `context_sample_rate`.
+    arrays sent as raw samples at `context_sample_rate`. batched: with a leading batch dimension of 1, for a
+    model with max_batch_size > 0 (`<model>_text_stream`).
     """
     import tritonclient.grpc as grpcclient
 
     def tensor(name: str, value: np.ndarray, dtype: str):
+        value = value[None] if batched else value
         t = grpcclient.InferInput(name, list(value.shape), dtype)
         t.set_data_from_numpy(value)
         return t
@@ -121,6 +134,7 @@ class StreamOutcome:
     late_responses: int = 0  # callbacks after the final response or error (should stay 0)
     arrived_in_order: bool = True  # chunks came in CHUNK_INDEX order
     seed: int | None = None  # SEED_USED: the seed the server sampled with (send it as SEED to reproduce the audio)
+    piece_errors: list[str] = field(default_factory=list)  # text streaming: later pieces the server refused
 
     def put_in_order(self) -> None:
         """Sort chunks by CHUNK_INDEX (a server should keep order; this makes the client robust if not).
@@ -247,6 +261,109 @@ def stream_request(url: str, model: str, inputs: list, audio_format: str = "pcm1
     return out
 
 
+_PIECE_ERROR = re.compile(r"^\[request id: ([^\]]*)\] ")
+
+
+def stream_text_pieces(url: str, model: str, pieces: Iterable[str], inputs: Iterable = (), audio_format: str = "pcm16",
+                       piece_delay: float = 0.0, timeout: float = 300.0, request_id: str = "tts",
+                       sequence_id: int | None = None) -> StreamOutcome:
+    """One utterance whose text arrives in pieces: every piece is a request of one Triton sequence on one gRPC
+    stream (the first with START and `inputs`: voice, sampling, format, all batched), then an empty END piece
+    once `pieces` is exhausted (a generator may block, e.g. on stdin). The audio comes on the first piece's
+    request; send_time, and so ttfa_s, is when the first piece was sent."""
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: responses.put((time.monotonic(), result, error)))
+    sequence = sequence_id or random.randrange(1, 2**63)
+    out = StreamOutcome(send_time=time.monotonic())
+    sent_first = threading.Event()
+    failures: list[BaseException] = []
+
+    def send(text: str, n: int, end: bool) -> None:
+        first = n == 0
+        tensors = [*make_inputs(text, batched=True), *(inputs if first else ())]
+        if first:
+            out.send_time = time.monotonic()
+        client.async_stream_infer(model, tensors, request_id=request_id if first else f"{request_id}-{n}",
+                                  sequence_id=sequence, sequence_start=first, sequence_end=end,
+                                  enable_empty_final_response=True)
+        sent_first.set()
+
+    def send_all() -> None:
+        n = 0
+        try:
+            for n, piece in enumerate(pieces):
+                if n and piece_delay > 0:
+                    time.sleep(piece_delay)
+                send(piece, n, end=False)
+                n += 1
+            send("", n, end=True)
+        except BaseException as e:  # the collector reports it
+            failures.append(e)
+            sent_first.set()
+
+    sender = threading.Thread(target=send_all, name="pieces", daemon=True)
+    sender.start()
+    cancelled = False
+    try:
+        sent_first.wait()  # stdin may take a while to give its first line: the clock starts at the first piece
+        deadline = time.monotonic() + timeout
+        while True:
+            if failures:
+                out.error, cancelled = f"sending a piece failed: {failures[0]}", True
+                break
+            try:
+                t, result, error = responses.get(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() < deadline:
+                    continue
+                out.error, cancelled = f"timed out after {timeout} s", True
+                break
+            if error is not None:
+                message = str(error)
+                match = _PIECE_ERROR.match(message)
+                if match and match.group(1) != request_id:  # a later piece was refused; the utterance goes on
+                    out.piece_errors.append(message)
+                    continue
+                out.error, out.end_time = message, t
+                out.responses += 1
+                break
+            if result.get_response().id != request_id:
+                continue  # a later piece's empty final response
+            out.responses += 1
+            audio = response_audio(result, audio_format)
+            out.sample_rate = int(response_scalar(result, "SAMPLE_RATE", out.sample_rate) or 0)
+            out.seed = response_scalar(result, "SEED_USED", out.seed)
+            if audio.size:
+                out.chunks.append(audio)
+                out.arrivals.append(t)
+                out.indices.append(int(response_scalar(result, "CHUNK_INDEX", len(out.indices))))
+            if response_scalar(result, "FINAL", False):
+                out.finish_reason, out.end_time = response_scalar(result, "FINISH_REASON", "") or None, t
+            if is_triton_final(result):
+                out.end_time = out.end_time or t
+                break
+    finally:
+        try:
+            client.stop_stream(cancel_requests=cancelled)
+        finally:
+            client.close()
+    out.put_in_order()
+    return out
+
+
+def stdin_pieces(stream=None) -> Iterable[str]:
+    """Each line read is a piece, sent as read (with its newline); EOF ends the utterance."""
+    stream = stream or sys.stdin
+    while True:
+        line = stream.readline()
+        if not line:
+            return
+        yield line
+
+
 def write_wav(path: str | Path, audio: np.ndarray, sample_rate: int) -> None:
     import soundfile as sf
 
@@ -291,6 +408,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address")
     ap.add_argument("--model", default="orpheus", help="orpheus or csm (ensembles), or orpheus_engine / csm_engine")
     ap.add_argument("--text", default="Hello there, this is a streaming speech server.")
+    ap.add_argument("--text-pieces", default=None,
+                    help='the text in pieces, "piece1|piece2|..." (a <model>_text_stream model): one Triton sequence')
+    ap.add_argument("--piece-delay", type=float, default=0.0, help="seconds between pieces (--text-pieces)")
+    ap.add_argument("--stdin", action="store_true",
+                    help="text in pieces from stdin: each line read is a piece, EOF ends the utterance")
     add_request_args(ap)
     ap.add_argument("--format", default="pcm16", choices=("pcm16", "fp32"), help="AUDIO_FORMAT (ensemble)")
     ap.add_argument("--seed", type=int, help="sampling seed; default: the server draws one and returns it (printed)")
@@ -301,10 +423,20 @@ def main(argv: list[str] | None = None) -> int:
         context = context_fields(a.context_text, a.context_audio, a.context_speaker, a.speaker or 0)
     except (ValueError, OSError) as e:
         ap.error(str(e))
-    inputs = make_inputs(a.text, a.voice, a.format, speaker=a.speaker, context=context, **sampling_fields(a),
-                         MAX_TOKENS=a.max_tokens, SEED=a.seed)
-    out = stream_request(a.url, a.model, inputs, a.format, a.timeout)
-    print(report(out))
+    if a.text_pieces is not None or a.stdin:
+        if a.text_pieces is not None and a.stdin:
+            ap.error("give --text-pieces or --stdin, not both")
+        options = make_inputs(None, a.voice, a.format, speaker=a.speaker, context=context, batched=True,
+                              **sampling_fields(a), MAX_TOKENS=a.max_tokens, SEED=a.seed)
+        pieces = stdin_pieces() if a.stdin else a.text_pieces.split("|")
+        out = stream_text_pieces(a.url, a.model, pieces, options, a.format, a.piece_delay, a.timeout)
+    else:
+        inputs = make_inputs(a.text, a.voice, a.format, speaker=a.speaker, context=context, **sampling_fields(a),
+                             MAX_TOKENS=a.max_tokens, SEED=a.seed)
+        out = stream_request(a.url, a.model, inputs, a.format, a.timeout)
+    print(report(out) + (" | TTFA from the first piece" if a.text_pieces is not None or a.stdin else ""))
+    for message in out.piece_errors:
+        print(f"piece refused: {message}", file=sys.stderr)
     if out.error:
         print(f"error: {out.error}", file=sys.stderr)
         return 1

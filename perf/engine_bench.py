@@ -423,8 +423,10 @@ def internals_lines(title: str, internals: dict[str, tuple[float, int]], wall: f
 def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__, epilog=METHOD,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="orpheus", choices=["orpheus", "csm"],
-                    help="csm: perf/csm_bench.py (tiny CSM vs transformers generate + Mimi; --max-tokens = frames)")
+    ap.add_argument("--model", default="orpheus", choices=["orpheus", "csm", "qwen3_tts"],
+                    help="csm: perf/csm_bench.py (tiny CSM vs transformers generate + Mimi); qwen3_tts: "
+                         "perf/qwen3_tts_bench.py (tiny Qwen3-TTS vs the reference generate + decode); for both "
+                         "--max-tokens = frames")
     ap.add_argument("--size", default="bench", choices=["bench", "tiny", "quick"],
                     help="checkpoint size: voxbackend.tools.tiny_checkpoint SIZES, or 'quick' (smoke test)")
     ap.add_argument("--streams", default="1,8,32", help="comma-separated concurrent stream counts")
@@ -456,7 +458,7 @@ def parse_args(argv: list[str] | None):
         args.max_tokens = 42 if args.max_tokens == 256 else args.max_tokens
         args.naive_requests = 1 if args.naive_requests == 4 else args.naive_requests
         args.single_rounds = 1 if args.single_rounds == 3 else args.single_rounds
-    if args.model == "csm":  # frames of 80 ms: ~3 s (the Orpheus default's audio), or ~1 s when quick
+    if args.model in ("csm", "qwen3_tts"):  # frames of 80 ms: ~3 s (the Orpheus default's audio), ~1 s quick
         args.max_tokens = {256: 38, 42: 12}.get(args.max_tokens, args.max_tokens)
     args.stream_counts = sorted({int(s) for s in str(args.streams).split(",") if s.strip()})
     if not args.stream_counts or min(args.stream_counts) < 1:
@@ -476,6 +478,10 @@ def main(argv: list[str] | None = None) -> Path:
         import csm_bench  # perf/csm_bench.py
 
         return csm_bench.run(args, *load_prompts(args.prompts), log)
+    if args.model == "qwen3_tts":
+        import qwen3_tts_bench  # perf/qwen3_tts_bench.py
+
+        return qwen3_tts_bench.run(args, *load_prompts(args.prompts), log)
     if args.ab_base is not None:
         return run_ab(args, argv)
     run_started = time.perf_counter()

@@ -166,3 +166,33 @@ def test_served_models_come_from_the_registry():
         kind = registry.get_kind(m.name)
         assert m.input_specs == (kind.frontend or kind.model).request_inputs
         assert m.default_checkpoint == kind.tiny_checkpoint
+
+
+def test_text_stream_models_are_rendered_for_text_streaming_kinds_only():
+    from voxbackend.models import registry
+
+    rendered = configs.render_all()
+    for m in configs.SERVED_MODELS:
+        assert m.text_streaming == bool(getattr(registry.get_kind(m.name).model, "text_streaming", False))
+        assert (m.text_stream in rendered) == m.text_streaming
+        assert (f"{m.text_stream}/1/model.py" in configs.render_files()) == m.text_streaming
+
+
+def test_a_text_stream_config_is_a_sequence_batched_decoupled_engine():
+    import dataclasses
+
+    m = dataclasses.replace(configs.SERVED_MODELS[0], text_streaming=True)
+    text = configs.render_text_stream(m, m.params({"max_batch": "7"}))
+    assert f'name: "{m.text_stream}"' in text and "max_batch_size: 7\n" in text  # one slot per stream the engine batches
+    assert "model_transaction_policy { decoupled: true }" in text and "direct { max_queue_delay_microseconds: 0 }" in text
+    assert f"max_sequence_idle_microseconds: {configs.TEXT_STREAM_IDLE_US}\n" in text
+    for name, kind in [("START", "CONTROL_SEQUENCE_START"), ("END", "CONTROL_SEQUENCE_END"),
+                       ("READY", "CONTROL_SEQUENCE_READY"), ("CORRID", "CONTROL_SEQUENCE_CORRID")]:
+        assert re.search(rf'name: "{name}" control \[ {{ kind: {kind} ', text), name
+    inputs = re.findall(r'name: "(\w+)"', text.split("\ninput [")[1].split("output [")[0])
+    assert inputs == [s.name for s in schema.client_inputs(m.input_specs)]
+    outputs = re.findall(r'name: "(\w+)"', text.split("output [")[1].split("instance_group")[0])
+    assert outputs == [s.name for s in schema.POSTPROCESS_OUTPUTS]
+    assert 'key: "model_kind" value: { string_value: "orpheus" }' in text and "frontend_loader" not in text
+    files = configs.text_stream_files(m)
+    assert "text_stream_model import TextStreamModel as TritonPythonModel" in files[f"{m.text_stream}/1/model.py"]

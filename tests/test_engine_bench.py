@@ -80,3 +80,20 @@ def test_csm_quick_run_writes_a_results_table(tmp_path):
         assert key in text, key
     ratios = [float(x.split()[-1].rstrip("x")) for x in text.split("Ratio engine/naive (x real time):")[1].split(",")]
     assert len(ratios) == 2 and all(r > 0 for r in ratios)
+
+
+def test_qwen3_tts_quick_run_writes_a_results_table(tmp_path):
+    out = tmp_path / "qwen3_tts.md"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--model", "qwen3_tts", "--quick", "--cache-dir", str(tmp_path / "cache"),
+         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    systems = {tuple(c.strip() for c in ln.split("|")[1:3]) for ln in text.splitlines() if ln.startswith("| ")}
+    assert {("1", "naive"), ("1", "engine"), ("4", "naive"), ("4", "engine")} <= systems
+    for key in ("- commit:", "- cpu:", "random weights", "- dataset:", "12 frames", "non_streaming_mode=False"):
+        assert key in text, key
+    ratios = [float(x.split()[-1].rstrip("x")) for x in text.split("Ratio engine/naive (x real time):")[1].split(",")]
+    assert len(ratios) == 2 and all(r > 0 for r in ratios)

@@ -17,6 +17,11 @@ class Request:
     arrival: float
     streaming: bool = True  # False: a batch job with no listener; never "pressing" by playback
     output_ids: list = field(default_factory=list)  # generated steps: ids, or rows for token_columns > 1
+    # the backbone inputs that followed each generated step (the model's next_input; a preempted request
+    # recomputes exactly these); one behind output_ids while the model waits for more input (awaiting_input)
+    input_rows: list = field(default_factory=list)
+    awaiting_input: bool = False
+    track: Any = None  # the model's per-request input state (dual-track text), from split_prompt
     num_cached: int = 0  # positions whose keys/values are in the KV pool
     pages: list[int] = field(default_factory=list)  # grows with the sequence, page by page
     preempted: bool = False  # pages taken back mid-generation; resumes by recomputing its whole sequence
@@ -37,8 +42,9 @@ class Request:
 
     @property
     def num_positions(self) -> int:
-        """The sequence so far: prompt and generated steps (the last step's keys/values are not cached yet)."""
-        return len(self.prompt_ids) + len(self.output_ids)
+        """The sequence so far: prompt and the inputs of generated steps (the last one's keys/values are not cached
+        yet)."""
+        return len(self.prompt_ids) + len(self.output_ids) - self.awaiting_input
 
     @property
     def uncached(self) -> int:
@@ -46,14 +52,20 @@ class Request:
         return self.num_positions - self.num_cached
 
     def positions(self, start: int, end: int) -> list:
-        """Inputs of positions [start, end): prompt entries, then generated steps (a resumed request's prefix)."""
+        """Inputs of positions [start, end): prompt entries, then the inputs of generated steps (a resumed
+        request's prefix)."""
         prompt = len(self.prompt_ids)
-        return self.prompt_ids[start:end] + self.output_ids[max(0, start - prompt) : max(0, end - prompt)]
+        return self.prompt_ids[start:end] + self.input_rows[max(0, start - prompt) : max(0, end - prompt)]
 
     @property
     def on_lm(self) -> bool:
         """Holds KV pages and still generates (neither finished on the LM nor preempted)."""
         return not self.lm_done and not self.preempted
+
+    @property
+    def wants_lm(self) -> bool:
+        """On the LM with positions to run (not waiting for input it does not have yet)."""
+        return self.on_lm and self.uncached > 0
 
     @property
     def lm_done(self) -> bool:

@@ -1,7 +1,8 @@
 """The engine loop: admit, schedule, LM step, sample, detokenize, emit. One thread per engine.
 
-Callers on other threads only touch the inbox (submissions and cancellations) under a lock; everything else is
-owned by the engine thread. Events go out through each request's `on_event` callback, which must not block.
+Callers on other threads only touch the inbox (submissions, cancellations and appended text) under a lock;
+everything else is owned by the engine thread. Events go out through each request's `on_event` callback, which
+must not block.
 """
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ class Engine:
         self.running: list[Request] = []  # holds pages (LM), preempted, or LM finished and still detokenizing
         self._inbox: list[Request] = []
         self._cancels: set[str] = set()
+        self._appends: list[tuple[str, list[int], bool]] = []
+        self._open_text: set[str] = set()  # requests whose text is still open (append_text takes more)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -73,17 +76,21 @@ class Engine:
     # ---------------------------------------------------------------- public, thread-safe
     def submit(
         self,
-        prompt_ids: list[int] | list[list[int]],
+        prompt: list[int] | list[list[int]],
         sampling: SamplingParams | None = None,
         on_event: Callable[[Event], None] | None = None,
         request_id: str | None = None,
         streaming: bool = True,
+        text_open: bool = False,
     ) -> str:
-        """Queue a request; validation errors raise here, before any device work."""
+        """Queue a request; validation errors raise here, before any device work. `text_open` (models with
+        text_streaming): the prompt holds the first piece of the text; more comes through append_text."""
         if not self.alive:
             raise EngineDead(f"engine stopped after a failure: {self.dead_reason}")
+        if text_open and not self.model.text_streaming:
+            raise InvalidRequest(f"{self.model.spec.name} does not take text in pieces (text_open)", field="text")
         params = (sampling or self.model.default_sampling()).validated()
-        prompt = self._check_prompt(prompt_ids)
+        prompt, track = self._check_prompt(prompt, text_open)
         if params.max_tokens > self.max_tokens_limit:  # refused, not clamped: the client asked for more
             raise InvalidRequest(
                 f"max_tokens is {params.max_tokens}; this server allows at most {self.max_tokens_limit} for "
@@ -99,17 +106,37 @@ class Engine:
                 f"the pool has {self.pool.num_pages}", field="max_tokens"
             )
         rid = request_id or f"req-{next(self._ids)}"
-        req = Request(rid, prompt, params, on_event or (lambda e: None), self.clock(), streaming=streaming)
+        req = Request(rid, prompt, params, on_event or (lambda e: None), self.clock(), streaming=streaming,
+                      track=track)
         with self._lock:
             if len(self.waiting) + len(self._inbox) >= self.config.max_queue:
                 raise EngineOverloaded(f"overloaded: {self.config.max_queue} requests already queued; retry later")
             self._inbox.append(req)
+            if text_open:
+                self._open_text.add(rid)
         self._wake.set()
         return rid
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
             self._cancels.add(request_id)
+        self._wake.set()
+
+    def append_text(self, request_id: str, ids: list[int], final: bool) -> None:
+        """More dual-track text ids (SpeechModel.text_piece_ids) for a request submitted with text_open;
+        `final` closes its text (the model then ends it: tts_eos, then pads). Goes through the inbox like
+        cancel. Refused with InvalidRequest(field="text") for a request that is unknown, finished or already
+        closed; a request that finishes while the append is in the inbox (it stopped, was cancelled) just
+        ignores it: its final event is already out. Ids its model refuses on the engine thread end the request
+        with an ERROR event."""
+        ids = self.model.check_track_ids(ids)  # refused here for a model without text streaming
+        with self._lock:
+            if request_id not in self._open_text:
+                raise InvalidRequest(f"request {request_id!r} is unknown, finished or its text is already closed",
+                                     field="text")
+            if final:
+                self._open_text.discard(request_id)
+            self._appends.append((request_id, list(ids), final))
         self._wake.set()
 
     def stats(self) -> EngineStats:
@@ -222,8 +249,9 @@ class Engine:
             return True
         return bool(lm or detok or self.waiting or any(r.preempted for r in self.running))
 
-    def _check_prompt(self, prompt_ids) -> list[int] | list[list[int]]:
-        """Ids [L] for one-column models, rows [L, token_columns] (-1 = no entry) for multi-column ones."""
+    def _check_prompt(self, prompt_ids, text_open: bool = False) -> tuple[list[int] | list[list[int]], object]:
+        """Ids [L] for one-column models, rows [L, token_columns] (-1 = no entry) for multi-column ones; the
+        model splits off its input track (split_prompt) before the positions are checked."""
         spec = self.model.spec
         columns = spec.token_columns
         try:
@@ -233,6 +261,8 @@ class Engine:
         want = "a list of integers" if columns == 1 else f"rows of {columns} integers"
         if prompt is None or prompt.ndim != (1 if columns == 1 else 2) or columns > 1 and prompt.shape[1] != columns:
             raise InvalidRequest(f"prompt_ids must be {want}")
+        rows, track = self.model.split_prompt(prompt.tolist(), text_open)
+        prompt = np.asarray(rows, dtype=np.int64).reshape((-1,) if columns == 1 else (-1, columns))
         if not len(prompt):
             raise InvalidRequest("prompt is empty")
         if columns == 1:
@@ -247,17 +277,35 @@ class Engine:
             raise InvalidRequest(
                 f"prompt is {len(prompt)} positions; the model's context is {spec.geometry.max_context}"
             )
-        return prompt.tolist()
+        return prompt.tolist(), track
 
     def _drain_inbox(self) -> None:
         with self._lock:
             self.waiting.extend(self._inbox)
             self._inbox.clear()
             cancels, self._cancels = self._cancels, set()
+            appends, self._appends = self._appends, []
+        if appends:
+            live = {r.id: r for r in itertools.chain(self.waiting, self.running)}
+            for rid, ids, final in appends:
+                r = live.get(rid)
+                if r is None or r.lm_done:  # finished while the append was in the inbox
+                    continue
+                try:
+                    self.model.extend_track(r.track, ids, final)
+                except InvalidRequest as exc:  # what append_text could not tell synchronously: this request ends
+                    if r in self.waiting:
+                        self.waiting.remove(r)
+                    self._finish(r, error=str(exc))
+                    continue
+                if r.awaiting_input:
+                    self._feed(r)
         if not cancels:
             return
         for r in [r for r in self.waiting if r.id in cancels]:
             self.waiting.remove(r)
+            with self._lock:
+                self._open_text.discard(r.id)
             self._emit_final(r, "cancelled")
         for r in [r for r in self.running if r.id in cancels]:
             self._finish(r, reason="cancelled")
@@ -342,7 +390,9 @@ class Engine:
             positions.extend(range(start, start + n))
             seqs.append(SeqSlice(len(ids) - n, n, start, r.pages))
             r.num_cached += n
-            if not r.uncached:  # this chunk ends the sequence so far (or it is a decode): a token comes out
+            # this chunk ends the sequence so far (or it is a decode) and the last step's input is in it: a
+            # token comes out (a resumed request that waits for text has sampled from that position already)
+            if not r.uncached and not r.awaiting_input:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(r)
         self.attention.plan(seqs)
@@ -367,6 +417,17 @@ class Engine:
                 self._lm_finished(r, "stop")
             elif len(r.output_ids) >= r.sampling.max_tokens:
                 self._lm_finished(r, "length")
+            else:
+                r.awaiting_input = True
+                self._feed(r)
+
+    def _feed(self, r: Request) -> None:
+        """The backbone input after the last sampled step, from the model (the step itself, or the step plus the
+        next text id); a track still waiting for text leaves the request off the LM until append_text."""
+        row = self.model.next_input(r.output_ids[-1], r.track)
+        if row is not None:
+            r.input_rows.append(row)
+            r.awaiting_input = False
 
     def _sampling_batch(self, sampled: list[Request]) -> SamplingBatch:
         """Column 0 of this step. Step counters advance by token_columns per LM step, so every (step, column) of
@@ -391,10 +452,15 @@ class Engine:
                                    vocab_size=self._column_vocab(column))
 
     def _history(self, r: Request, column: int) -> list[int]:
-        """What the repetition penalty looks at: the prompt and generated ids of that column."""
-        if self.model.spec.token_columns == 1:
-            return r.prompt_ids + r.output_ids
-        return [row[column] for row in itertools.chain(r.prompt_ids, r.output_ids) if row[column] >= 0]
+        """What the repetition penalty looks at: the prompt (unless the spec says generated only) and generated
+        ids of that column; nothing for a column the spec leaves unpenalized."""
+        spec = self.model.spec
+        if spec.penalty_columns is not None and column not in spec.penalty_columns:
+            return []
+        prompt = r.prompt_ids if spec.penalty_on_prompt else []
+        if spec.token_columns == 1:
+            return prompt + r.output_ids
+        return [row[column] for row in itertools.chain(prompt, r.output_ids) if row[column] >= 0]
 
     def _column_vocab(self, column: int) -> int:
         spec = self.model.spec
@@ -402,6 +468,8 @@ class Engine:
 
     def _lm_finished(self, r: Request, reason: str) -> None:
         r.finish_reason = reason
+        with self._lock:  # text appended from now on is refused: the utterance has ended
+            self._open_text.discard(r.id)
         self.pool.release(r.id)  # pages go back now, not after detokenization
         r.pages = []
         if self.detokenizer is None or self.detokenizer.finished(r):
@@ -440,6 +508,8 @@ class Engine:
         r.chunks_sent += 1
 
     def _finish(self, r: Request, reason: str | None = None, error: str | None = None) -> None:
+        with self._lock:
+            self._open_text.discard(r.id)
         self.pool.release(r.id)
         r.pages = []
         if r in self.running:

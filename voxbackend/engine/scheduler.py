@@ -49,7 +49,7 @@ class Scheduler:
     def schedule_lm(self, running: list[Request], now: float) -> list[tuple[Request, int]]:
         budget = self.config.prefill_budget
         plan: list[tuple[Request, int]] = []
-        candidates = [r for r in running if r.on_lm]
+        candidates = [r for r in running if r.wants_lm]
         for r in self._lm_order(candidates, now):
             if len(plan) >= self.config.max_batch or budget <= 0:
                 break

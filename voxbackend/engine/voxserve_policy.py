@@ -33,7 +33,7 @@ class VoxServeScheduler(Scheduler):
         return r.first_chunk_at is None or r.buffer_s(now) <= r.last_chunk_s + self.config.playback_margin_s
 
     def schedule_lm(self, running: list[Request], now: float) -> list[tuple[Request, int]]:
-        active = sorted((r for r in running if r.on_lm), key=lambda r: r.arrival)
+        active = sorted((r for r in running if r.wants_lm), key=lambda r: r.arrival)
         prefills = [r for r in active if r.uncached > 1 or r.num_cached == 0]  # a prompt, or a resumed prefix
         decodes = [r for r in active if r not in prefills]
         plan: list[tuple[Request, int]] = []

@@ -3,7 +3,8 @@
 A model file declares a `ModelSpec` and implements `SpeechModel`. The engine and scheduler only see this
 interface, so a new SpeechLM plugs in without touching them: one token per step (Orpheus, CosyVoice2,
 Chatterbox) or several codebook columns plus a depth transformer (CSM, Qwen3-TTS; a delay pattern like Zonos is
-a column layout). Speech-to-speech models (GLM-4-Voice, Step-Audio-2) will need one more hook: per-position
+a column layout). A dual-track model (Qwen3-TTS) makes each next backbone input from the sampled step plus
+per-request state (the next text token): `split_prompt` / `next_input` / `extend_track`. Speech-to-speech models (GLM-4-Voice, Step-Audio-2) will need one more hook: per-position
 audio-encoder features in the prompt; it is not part of the contract yet.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from voxbackend.attention.base import AttentionBackend
+from voxbackend.errors import InvalidRequest
 from voxbackend.sampling_params import SamplingParams
 from voxbackend.tensor_spec import TensorSpec
 
@@ -59,6 +61,9 @@ class ModelSpec:
     column_vocab: tuple[int, ...] = ()
     # the most LM steps one request may ask for, as the official implementation caps generation; 0: the context
     max_tokens: int = 0
+    # the columns the repetition penalty looks at (None: all) and whether it counts prompt ids or generated ones only
+    penalty_columns: tuple[int, ...] | None = None
+    penalty_on_prompt: bool = True
 
 
 @dataclass
@@ -73,17 +78,49 @@ class WindowJob:
     state: Any = None  # per-request codec state for stateful codecs
 
 
+# A prompt row whose column 0 is QUEUED is not a position: its last column is an id queued for the model's
+# next inputs (the dual track's text), which `split_prompt` moves into the request's input track.
+QUEUED = -2
+
+
 class SpeechModel:
     """Base class: a backbone plus the model-specific rules around it."""
 
     spec: ModelSpec
     voices: tuple[str, ...] = ()
     request_inputs: tuple[TensorSpec, ...] = ()  # the model's own request inputs beyond TEXT and sampling
+    text_streaming: bool = False  # text may keep arriving after submission (Engine.append_text)
 
     # --- preprocessing (CPU, off the engine thread) ---
-    def prepare(self, text: str, voice: str | None = None, **options) -> list[int] | list[list[int]]:
-        """Prompt ids: one id per position, or (token_columns > 1) one row of token_columns ids per position."""
+    def prepare(
+        self, text: str, voice: str | None = None, *, text_open: bool = False, **options
+    ) -> list[int] | list[list[int]]:
+        """Prompt ids: one id per position, or (token_columns > 1) one row of token_columns ids per position.
+        `text_open` (text_streaming models): `text` is the first piece and more will follow."""
         raise NotImplementedError
+
+    def text_piece_ids(self, text: str) -> list[int]:
+        """text_streaming models: the dual-track text ids of one piece (no template, no control ids)."""
+        raise NotImplementedError
+
+    # --- the next backbone input (engine thread; per-request state, no device work) ---
+    def split_prompt(self, prompt: list, text_open: bool) -> tuple[list, Any]:
+        """prepare()'s output -> (the positions to prefill, the request's input track: model state that
+        `next_input` reads). By default every row is a position and there is no track."""
+        return prompt, None
+
+    def next_input(self, step: int | list[int], track: Any) -> int | list[int] | None:
+        """The backbone input that follows a sampled step; None while the track waits for more input (open text).
+        By default the step itself (Orpheus, CSM)."""
+        return step
+
+    def extend_track(self, track: Any, ids: list[int], final: bool) -> None:
+        """Append queued ids (streamed text) to a request's track; `final` closes it."""
+        raise InvalidRequest(f"{self.spec.name} does not take text after submission", field="text")
+
+    def check_track_ids(self, ids: list[int]) -> list[int]:
+        """Validated ids for extend_track (called on the caller's thread)."""
+        raise InvalidRequest(f"{self.spec.name} does not take text after submission", field="text")
 
     def default_sampling(self) -> SamplingParams:
         return SamplingParams()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from voxbackend.models import csm, orpheus, token_lm
+from voxbackend.models import csm, orpheus, qwen3_tts_frontend, qwen3_tts_model, token_lm
 from voxbackend.models.base import SpeechModel
 from voxbackend.models.checkpoint import read_config
 from voxbackend.tensor_spec import TensorSpec
@@ -50,6 +50,13 @@ KINDS: dict[str, ModelKind] = {k.name: k for k in (
         name="csm", detect=csm.is_csm_config, model=csm.Csm, frontend=csm.CsmFrontend,
         tiny_checkpoint="voxbackend.tools.tiny_csm:ensure_default_csm",
         served="CSM-1B (Llama backbone + depth decoder, Mimi 24 kHz codec)",
+    ),
+    ModelKind(
+        # frontend: tokenizer, prompt rows and the text track; the codec is the checkpoint's speech_tokenizer/
+        name="qwen3_tts", detect=qwen3_tts_frontend.is_qwen3_tts_config, model=qwen3_tts_model.Qwen3TTS,
+        frontend=qwen3_tts_frontend.Qwen3TTSFrontend, codec=qwen3_tts_frontend.find_speech_tokenizer,
+        tiny_checkpoint="voxbackend.tools.tiny_qwen3_tts:ensure_default_qwen3_tts",
+        served="Qwen3-TTS-12Hz (Qwen3 talker + code predictor, 12 Hz codec at 24 kHz)",
     ),
     ModelKind(name="token_lm", detect=token_lm.is_token_lm_config, model=token_lm.TokenLM),
 )}

@@ -28,3 +28,27 @@ class TextTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._full.decode(ids, skip_special_tokens=False)
+
+    # --- what a commit rule for text arriving in pieces needs (voxbackend/triton/text_commit.py) ---
+    def normalize(self, text: str) -> str:
+        normalizer = self._plain.normalizer
+        return normalizer.normalize_str(text) if normalizer is not None else text
+
+    def pre_token_starts(self, normalized: str) -> list[int]:
+        """Where each pre-token of already normalized text begins (character offsets); BPE never merges across
+        these boundaries, so the ids of a text are the ids of its pre-tokens, one after another."""
+        pre = self._plain.pre_tokenizer
+        if pre is None:
+            return [0] if normalized else []
+        return [start for _, (start, _) in pre.pre_tokenize_str(normalized)]
+
+    def normalizer_types(self) -> list[str]:
+        """The normalizer's steps by type name (a Sequence flattened); empty when there is none."""
+        def flat(spec) -> list[str]:
+            if not spec:
+                return []
+            if spec.get("type") == "Sequence":
+                return [t for s in spec.get("normalizers", []) for t in flat(s)]
+            return [spec.get("type", "?")]
+
+        return flat(json.loads(self._plain.to_str()).get("normalizer"))

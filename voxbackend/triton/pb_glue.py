@@ -32,9 +32,14 @@ class TritonResponder:
         self._sender = sender
 
     def send(self, outputs: dict[str, np.ndarray] | None, error: str | None, final: bool) -> None:
+        """outputs and error both None: only the final flag, no response."""
         pb = self._pb
+        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        if outputs is None and error is None:
+            self._sender.send(flags=flags)
+            return
         r = error_response(pb, error) if error is not None else response(pb, outputs)
-        self._sender.send(r, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        self._sender.send(r, flags=flags)
 
     def is_cancelled(self) -> bool:
         return self._sender.is_cancelled()

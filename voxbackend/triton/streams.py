@@ -86,6 +86,12 @@ class _Shutdown:
 
 
 @dataclass
+class _Reply:
+    responder: Responder
+    error: str | None
+
+
+@dataclass
 class ResponseLoop:
     engine: object  # cancel(), stats(), alive
     metrics: Metrics = field(default_factory=NullMetrics)
@@ -111,6 +117,12 @@ class ResponseLoop:
 
     def reject(self, request_id: str, message: str) -> None:
         self._queue.put(Event(request_id, EventKind.ERROR, error=message))
+
+    def reply(self, responder: Responder, error: str | None = None) -> None:
+        """End a request that carries no stream (a later piece of a text stream) with one final send: an error,
+        or no response at all (the client sees Triton's empty final response if it asked for it). Through this
+        thread: sends from several threads crash the stub."""
+        self._queue.put(_Reply(responder, error))
 
     def request_cancel(self, request_id: str) -> None:
         """Cancel from outside Triton's own signal (the ensemble's postprocess, via cancel_channel)."""
@@ -162,7 +174,13 @@ class ResponseLoop:
             except Exception:  # never let the sender die: every open stream would hang
                 log.exception("response loop error")
 
-    def _handle(self, item: _Add | _Cancel | _Shutdown | Event) -> None:
+    def _handle(self, item: _Add | _Cancel | _Shutdown | _Reply | Event) -> None:
+        if isinstance(item, _Reply):
+            try:
+                item.responder.send(None, item.error, final=True)
+            except Exception as e:
+                log.warning("reply failed: %s", e)
+            return
         if isinstance(item, _Add):
             self._streams[item.stream.request_id] = item.stream
             if self.closing:

@@ -1,0 +1,2 @@
+"""qwen3_tts_text_stream: qwen3_tts's text in pieces (a Triton sequence), its audio on one stream."""
+from voxbackend.triton.text_stream_model import TextStreamModel as TritonPythonModel  # noqa: F401

@@ -1,0 +1,144 @@
+"""The qwen3_tts deployment end to end: a real tritonserver on loopback serving the committed qwen3_tts_preprocess,
+qwen3_tts_engine, qwen3_tts and audio_postprocess folders unchanged (copied into a repository of their own).
+
+No checkpoint is configured, so the engine model builds the tiny default Qwen3-TTS (CustomVoice, tagged 0.6B:
+INSTRUCT is refused) in a temporary VOXBACKEND_CACHE; the reference engine in this process loads the same folder.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import tritonclient.grpc as tritonclient  # noqa: E402
+
+from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
+from voxbackend.triton import configs  # noqa: E402
+from tests.triton_util import serve  # noqa: E402
+
+FOLDERS = ("qwen3_tts", "qwen3_tts_engine", "qwen3_tts_preprocess", configs.POSTPROCESS)
+MAX_TOKENS = 12  # frames of 80 ms
+RATE = 24000
+
+
+def _text(name: str, value: str):
+    t = tritonclient.InferInput(name, [1], "BYTES")
+    t.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
+    return t
+
+
+@dataclasses.dataclass
+class Case:
+    text: str
+    voice: str | None = None
+    language: str | None = None
+    fmt: str = "fp32"
+    seed: int = 0
+    max_tokens: int = MAX_TOKENS
+
+    def inputs(self) -> list:
+        inputs = make_inputs(self.text, self.voice, self.fmt, MAX_TOKENS=self.max_tokens, SEED=self.seed)
+        return inputs + ([_text("LANGUAGE", self.language)] if self.language else [])
+
+
+CASES = [
+    Case("Hello there, how are you doing today?", seed=100, fmt="pcm16"),
+    Case("The quick brown fox jumps over the lazy dog.", voice="Vivian", seed=101),
+    Case("Good morning! Good evening!", voice="eric", seed=102),  # a dialect speaker
+    Case("See you tomorrow, my friend.", voice="ryan", language="English", seed=103, fmt="pcm16"),
+    Case("Speech models turn text into sound.", voice="ryan", language="german", seed=104),
+    Case("Can you tell me the way to the library?", voice="vivian", language="auto", seed=105),
+    Case("The children laughed and played in the garden.", voice="RYAN", language="japanese", seed=106),
+    Case("It is important to test every part of a system.", language="chinese", seed=107, fmt="pcm16"),
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("voxbackend_cache") / "default"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, cache_dir):
+    repo = tmp_path_factory.mktemp("repo")
+    for name in FOLDERS:
+        shutil.copytree(configs.DEFAULT_REPOSITORY / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+    yield from serve(repo, tmp_path_factory.mktemp("triton"), {"VOXBACKEND_CACHE": str(cache_dir)})
+
+
+@pytest.fixture(scope="module")
+def reference(server, cache_dir):
+    """Engine.synthesize in this process, on the checkpoint the server built."""
+    import voxbackend
+    from voxbackend.tools.tiny_qwen3_tts import ensure_default_qwen3_tts
+
+    model_dir, _ = ensure_default_qwen3_tts(cache_dir.with_name(cache_dir.name + "-qwen3-tts"))
+    engine = voxbackend.load(model_dir)
+    engine.start()
+
+    def synthesize(case: Case) -> np.ndarray:
+        sampling = dataclasses.replace(engine.model.default_sampling(), max_tokens=case.max_tokens, seed=case.seed)
+        audio, rate = engine.synthesize(case.text, case.voice, sampling, language=case.language)
+        assert rate == RATE
+        return audio
+
+    yield synthesize
+    engine.shutdown()
+
+
+def run_concurrently(jobs: list) -> list[StreamOutcome]:
+    results: list = [None] * len(jobs)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, jobs[i]())) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return results
+
+
+def assert_matches(out: StreamOutcome, expected: np.ndarray, fmt: str, what: str) -> None:
+    assert out.error is None, f"{what}: {out.error}"
+    assert out.finish_reason in ("stop", "length"), what
+    assert out.sample_rate == RATE
+    assert out.indices == list(range(len(out.chunks))) and out.arrived_in_order, f"{what}: chunks out of order"
+    assert len(out.chunks) >= 2, f"{what}: the first frame is its own window"
+    want = np.clip(expected, -1, 1) if fmt == "pcm16" else expected
+    assert out.audio.size == want.size and want.size > 0, f"{what}: {out.audio.size} samples, expected {want.size}"
+    atol = 1e-4 + (1.0 / 32767 if fmt == "pcm16" else 0.0)  # PCM16 rounds each sample
+    np.testing.assert_allclose(out.audio, want, atol=atol, err_msg=what)
+
+
+def test_8_concurrent_qwen3_tts_streams_match_engine_synthesize(server, reference):
+    jobs = [lambda c=c, i=i: stream_request(server.grpc_url, "qwen3_tts", c.inputs(), c.fmt, timeout=240,
+                                            request_id=f"qwen{i}") for i, c in enumerate(CASES)]
+    outs = run_concurrently(jobs)
+    for i, (case, out) in enumerate(zip(CASES, outs)):
+        assert_matches(out, reference(case), case.fmt, f"qwen3_tts stream {i}")
+
+
+BAD_INPUTS = {
+    "unknown speaker": (make_inputs("Hello.", "nobody"), "VOICE 'nobody' is not a speaker of this checkpoint"),
+    "unknown language": (make_inputs("Hello.", "ryan") + [_text("LANGUAGE", "klingon")],
+                         "LANGUAGE 'klingon' is not supported"),
+    "instruct on a 0.6B CustomVoice checkpoint": (make_inputs("Hello.") + [_text("INSTRUCT", "Speak slowly.")],
+                                                  "INSTRUCT is not taken by this checkpoint"),
+    "empty text": (make_inputs("   "), "TEXT is empty"),
+}
+
+
+def test_bad_inputs_are_refused_naming_the_tensor(server):
+    failures = []
+    for model in ("qwen3_tts", "qwen3_tts_engine"):
+        for name, (inputs, message) in BAD_INPUTS.items():
+            out = stream_request(server.grpc_url, model, inputs, timeout=60, linger_s=0.2)
+            if not (out.error and message in out.error and out.responses == 1 and not out.chunks):
+                failures.append(f"{model} / {name}: error={out.error!r} responses={out.responses}")
+    assert not failures, "\n".join(failures)

@@ -1,0 +1,300 @@
+"""Qwen3-TTS-12Hz preprocessing: tokenizer, prompt rules, the dual text track and the spec, without talker weights.
+
+Follows the reference `Qwen3TTSForConditionalGeneration.generate(non_streaming_mode=False)` (qwen-tts) row by row.
+A row is [codebook 0 .. codebook 15, text id] (-1: absent); the prompt is
+  * VoiceDesign / CustomVoice instruct: `<|im_start|>user\\n{instruct}<|im_end|>\\n`, text-only rows;
+  * the role `<|im_start|>assistant\\n`, text-only rows;
+  * the codec prefix in codebook 0: nothink, think_bos, think_eos (language auto) or think, think_bos, language,
+    think_eos; the speaker id (CustomVoice); pad. Each carries tts_pad in the text column, the last one (pad)
+    tts_bos;
+  * codec bos + the first text token.
+The remaining text tokens are not positions: each rides on the talker input that follows a generated frame, then
+tts_eos, then tts_pad for as long as the talker speaks. They travel in the prompt as QUEUED rows, which
+`split_prompt` turns into the request's `TextTrack`; `next_input` takes one id per step. An open track (text
+streaming) that has run out of ids makes the request wait for `Engine.append_text`.
+
+The text ids are exactly the reference's: it tokenizes `<|im_start|>assistant\\n{text}<|im_end|>\\n<|im_start|>
+assistant\\n` whole and slices it ([:3] role, [3] first token, [4:-5] the track); the control tokens split the
+string into the same segments that are encoded here one by one, user text through TextTokenizer (never a control
+token).
+"""
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from voxbackend.errors import InvalidRequest
+from voxbackend.models.base import QUEUED, ModelSpec, SpeechModel, WindowSpec
+from voxbackend.models.checkpoint import read_config
+from voxbackend.models.qwen3_tts import talker_decoder_config
+from voxbackend.models.text_tokens import TextTokenizer
+from voxbackend.sampling_params import SamplingParams
+from voxbackend.tensor_spec import TensorSpec
+
+MAX_TEXT_CHARS = 4000
+MAX_NEW_TOKENS = 2048  # qwen_tts' hard default when the checkpoint's generation_config.json does not say
+MIN_NEW_TOKENS = 2  # the reference's min_new_tokens: no EOS in the first two frames
+SPEECH_TOKENIZER = "speech_tokenizer"
+# Windows of the stateful (exactly streaming) codec: the first frame decodes as soon as it exists (80 ms of audio
+# one talker step after the prefill); then 4 frames (320 ms) per call, which amortizes the codec's fixed cost per
+# call while a stream stays far ahead of real time.
+FIRST_WINDOW_FRAMES = 1
+WINDOW_FRAMES = 4
+VARIANTS = ("custom_voice", "voice_design")
+
+
+def is_qwen3_tts_config(hf_config: dict) -> bool:
+    archs = hf_config.get("architectures") or ()
+    return "Qwen3TTSForConditionalGeneration" in archs or hf_config.get("model_type") == "qwen3_tts" or (
+        "talker_config" in hf_config and "code_predictor_config" in (hf_config.get("talker_config") or {}))
+
+
+def find_speech_tokenizer(model_dir: Path, codec_dir: str | Path | None) -> Path:
+    """The codec is the checkpoint's `speech_tokenizer/` folder unless codec_dir says otherwise."""
+    return Path(codec_dir) if codec_dir else Path(model_dir) / SPEECH_TOKENIZER
+
+
+@dataclass
+class TextTrack:
+    """One request's dual-track text: ids still to ride along, whether more may come, and whether tts_eos went."""
+
+    pending: deque = field(default_factory=deque)
+    open: bool = False
+    eos_sent: bool = False
+
+
+def load_qwen_tokenizer(model_dir: Path) -> Tokenizer:
+    """tokenizer.json, or (the official release ships vocab.json + merges.txt) transformers' Qwen2 fast tokenizer,
+    whose backend is the same `tokenizers` object the reference's processor uses."""
+    path = model_dir / "tokenizer.json"
+    if path.is_file():
+        return Tokenizer.from_file(str(path))
+    if (model_dir / "vocab.json").is_file() and (model_dir / "merges.txt").is_file():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(model_dir)).backend_tokenizer
+    raise FileNotFoundError(f"no tokenizer.json (or vocab.json + merges.txt) in {model_dir}")
+
+
+class Qwen3TTSFrontend(SpeechModel):
+    """What preprocessing needs (prompt rows, request inputs, spec, default sampling): no talker or codec weights."""
+
+    text_streaming = True
+    # one Triton schema for every variant: what a checkpoint does not take is refused by prepare, naming the field
+    request_inputs = (
+        TensorSpec("VOICE", "STRING", optional=True,
+                   doc="CustomVoice speaker from the checkpoint's spk_id (case-insensitive); its first speaker when "
+                       "absent; refused by VoiceDesign checkpoints", arg="voice"),
+        TensorSpec("LANGUAGE", "STRING", optional=True,
+                   doc="auto (default) or a language of the checkpoint's codec_language_id, e.g. english",
+                   arg="language"),
+        TensorSpec("INSTRUCT", "STRING", optional=True,
+                   doc="voice / style instruction (VoiceDesign; CustomVoice 1.7B); refused by 0.6B CustomVoice",
+                   arg="instruct"),
+    )
+
+    def __init__(self, model_dir: str | Path, codec_dir: str | Path | None = None):
+        model_dir = Path(model_dir)
+        hf = read_config(model_dir)
+        self.variant = hf.get("tts_model_type")
+        if self.variant == "base":
+            raise ValueError(f"{model_dir} is a Qwen3-TTS Base (voice cloning) checkpoint; voice cloning (Base) "
+                             "is not supported yet: use a CustomVoice or VoiceDesign checkpoint")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"{model_dir}: tts_model_type {self.variant!r} is not one of {VARIANTS}")
+        if hf.get("tokenizer_type", "qwen3_tts_tokenizer_12hz") != "qwen3_tts_tokenizer_12hz":
+            raise ValueError(f"{model_dir}: tokenizer_type {hf.get('tokenizer_type')!r}; only the 12 Hz "
+                             "tokenizer (qwen3_tts_tokenizer_12hz) is supported")
+        talker = hf["talker_config"]
+        self.groups: int = talker["num_code_groups"]
+        self.codec_vocab: int = talker["vocab_size"]
+        self.eos: int = talker["codec_eos_token_id"]
+        self.codec_ids = {k: talker[f"codec_{k}_id"] for k in ("think", "nothink", "think_bos", "think_eos", "pad",
+                                                                 "bos")}
+        self.speakers: dict[str, int] = {k.lower(): v for k, v in (talker.get("spk_id") or {}).items()}
+        self.dialects: dict[str, str | bool] = {k.lower(): v for k, v in (talker.get("spk_is_dialect") or {}).items()}
+        self.languages: dict[str, int] = {k.lower(): v for k, v in (talker.get("codec_language_id") or {}).items()}
+        bad = {k: v for k, v in {**self.codec_ids, **self.speakers, **self.languages}.items()
+               if not 0 <= v < self.codec_vocab}
+        if bad:
+            raise ValueError(f"talker_config codec ids outside the codec vocabulary ({self.codec_vocab}): {bad}")
+        self.voices = tuple(self.speakers) if self.variant == "custom_voice" else ()
+        # the reference drops instruct on 0.6B CustomVoice checkpoints (tts_model_size "0b6"); here it is refused
+        self.takes_instruct = self.variant == "voice_design" or (hf.get("tts_model_size") or "") not in ("0b6", "")
+        self.tts_pad, self.tts_bos, self.tts_eos = (hf.get(k, d) for k, d in (
+            ("tts_pad_token_id", 151671), ("tts_bos_token_id", 151672), ("tts_eos_token_id", 151673)))
+        self.im_start, self.im_end = hf.get("im_start_token_id", 151644), hf.get("im_end_token_id", 151645)
+        self.text_vocab: int = talker["text_vocab_size"]
+        self.tokenizer = load_qwen_tokenizer(model_dir)
+        self.text_tokenizer = TextTokenizer(self.tokenizer)  # user text never becomes a control token
+        self.generation = self._generation_config(model_dir)
+
+        codec_cfg = json.loads((find_speech_tokenizer(model_dir, codec_dir) / "config.json").read_text())
+        self.cfg = talker_decoder_config(talker)
+        self.spec = ModelSpec(
+            name="qwen3_tts",
+            geometry=self.cfg.geometry(),
+            sample_rate=codec_cfg.get("output_sample_rate", 24000),
+            codes_per_frame=self.groups,
+            window=WindowSpec(frames=WINDOW_FRAMES, hop_frames=WINDOW_FRAMES, first_frames=FIRST_WINDOW_FRAMES,
+                              flush_on_finish=True, stateful=True),
+            stop_ids=(),
+            token_columns=self.groups + 1,
+            has_depth=True,
+            column_vocab=(self.codec_vocab,) + (talker["code_predictor_config"]["vocab_size"],) * (self.groups - 1)
+            + (self.text_vocab,),
+            max_tokens=int(self.generation.get("max_new_tokens", MAX_NEW_TOKENS)),
+            # HF generate from inputs_embeds: the penalty sees the generated codebook-0 ids only (the prompt has no
+            # input ids) and the code predictor's generate applies none
+            penalty_columns=(0,),
+            penalty_on_prompt=False,
+        )
+
+    @property
+    def supported_languages(self) -> tuple[str, ...]:
+        return ("auto",) + tuple(k for k in self.languages if "dialect" not in k)
+
+    @staticmethod
+    def _generation_config(model_dir: Path) -> dict:
+        path = model_dir / "generation_config.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def default_sampling(self) -> SamplingParams:
+        g = self.generation
+        return SamplingParams(
+            temperature=float(g.get("temperature", 0.9)) if g.get("do_sample", True) else 0.0,
+            top_k=int(g.get("top_k", 50)), top_p=float(g.get("top_p", 1.0)),
+            repetition_penalty=float(g.get("repetition_penalty", 1.05)), max_tokens=self.spec.max_tokens,
+        )
+
+    # ---------------------------------------------------------------- prompt
+    def prepare(self, text: str, voice: str | None = None, *, text_open: bool = False, language: str | None = None,
+                instruct: str | None = None) -> list[list[int]]:
+        text = self._text(text, "text")
+        speaker = self._speaker(voice)
+        language_id = self._language_id(language, speaker)
+        rows = []
+        if instruct is not None and not isinstance(instruct, str):
+            raise InvalidRequest(f"instruct must be a string, got {type(instruct).__name__}", field="instruct")
+        if instruct:
+            if not self.takes_instruct:
+                raise InvalidRequest("instruct is not taken by this checkpoint (Qwen3-TTS 0.6B CustomVoice)",
+                                     field="instruct")
+            instruct = self._text(instruct, "instruct")
+            ids = [self.im_start, *self.encode("user\n" + instruct), self.im_end, *self.encode("\n")]
+            rows += [self._text_row(t) for t in ids]
+        spoken = [self.im_start, *self.encode("assistant\n" + text)]
+        if len(spoken) < 4:
+            raise InvalidRequest("text has no tokens", field="text")
+        if text_open:
+            track = spoken[4:]
+        else:  # the reference's input_id[4:-5] of the whole template
+            track = (spoken + [self.im_end, *self.encode("\n"), self.im_start, *self.encode("assistant\n")])[4:-5]
+        rows += [self._text_row(t) for t in spoken[:3]]
+        c = self.codec_ids
+        codec = [c["nothink"], c["think_bos"], c["think_eos"]] if language_id is None else \
+            [c["think"], c["think_bos"], language_id, c["think_eos"]]
+        codec += ([self.speakers[speaker]] if speaker else []) + [c["pad"]]
+        rows += [self._codec_row(cid, self.tts_pad) for cid in codec[:-1]]
+        rows.append(self._codec_row(codec[-1], self.tts_bos))
+        rows.append(self._codec_row(c["bos"], spoken[3]))
+        rows += [self._codec_row(QUEUED, t) for t in track]
+        if len(rows) >= self.spec.geometry.max_context:
+            raise InvalidRequest(f"prompt is {len(rows)} positions; the model's context is "
+                                 f"{self.spec.geometry.max_context}", field="text")
+        return rows
+
+    def encode(self, text: str) -> list[int]:
+        return self.text_tokenizer.encode(text)
+
+    def text_piece_ids(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    def _text_row(self, text_id: int) -> list[int]:
+        return [-1] * self.groups + [text_id]
+
+    def _codec_row(self, codec_id: int, text_id: int) -> list[int]:
+        return [codec_id] + [-1] * (self.groups - 1) + [text_id]
+
+    def _text(self, text, field: str) -> str:
+        if not isinstance(text, str):
+            raise InvalidRequest(f"{field} must be a string, got {type(text).__name__}", field=field)
+        if not text.strip():
+            raise InvalidRequest(f"{field} is empty", field=field)
+        if len(text) > MAX_TEXT_CHARS:
+            raise InvalidRequest(f"{field} is {len(text)} characters; the limit is {MAX_TEXT_CHARS}", field=field)
+        return text
+
+    def _speaker(self, voice) -> str | None:
+        if self.variant == "voice_design":
+            if voice is not None and voice != "":
+                raise InvalidRequest("voice is not taken by VoiceDesign checkpoints: describe the voice in instruct",
+                                     field="voice")
+            return None
+        if voice is None or voice == "":
+            return self.voices[0] if self.voices else None
+        if not isinstance(voice, str) or voice.lower() not in self.speakers:
+            raise InvalidRequest(f"voice {voice!r} is not a speaker of this checkpoint; speakers: "
+                                 f"{', '.join(self.voices)}", field="voice")
+        return voice.lower()
+
+    def _language_id(self, language, speaker: str | None) -> int | None:
+        if language is None or language == "":
+            language = "auto"
+        if not isinstance(language, str) or language.lower() not in self.supported_languages:
+            raise InvalidRequest(f"language {language!r} is not supported; supported: "
+                                 f"{', '.join(self.supported_languages)}", field="language")
+        language = language.lower()
+        dialect = self.dialects.get(speaker, False) if speaker else False
+        if language in ("chinese", "auto") and dialect:  # a dialect speaker speaks its dialect
+            return self.languages[dialect]
+        return None if language == "auto" else self.languages[language]
+
+    # ---------------------------------------------------------------- the dual track (engine thread)
+    def split_prompt(self, prompt: list, text_open: bool) -> tuple[list, TextTrack]:
+        n = len(prompt)
+        while n and prompt[n - 1][0] == QUEUED:
+            n -= 1
+        positions, queued = prompt[:n], prompt[n:]
+        if any(row[0] == QUEUED for row in positions):
+            raise InvalidRequest("prompt rows: queued text rows must come after every position", field="prompt_ids")
+        ids = self.check_track_ids([row[-1] for row in queued])
+        return positions, TextTrack(deque(ids), open=text_open)
+
+    def check_track_ids(self, ids) -> list[int]:
+        limit = self.text_tokenizer.first_added_id
+        try:
+            ids = [int(i) for i in ids]
+        except (TypeError, ValueError):
+            raise InvalidRequest("text ids must be integers", field="text") from None
+        if any(not 0 <= i < min(limit, self.text_vocab) for i in ids):
+            raise InvalidRequest(f"text ids must be text tokens in [0, {min(limit, self.text_vocab)})", field="text")
+        return ids
+
+    def extend_track(self, track: TextTrack, ids: list[int], final: bool) -> None:
+        if not track.open:
+            raise InvalidRequest("the request's text is already closed", field="text")
+        track.pending.extend(ids)
+        track.open = not final
+
+    def next_input(self, step: list[int], track: TextTrack) -> list[int] | None:
+        if track.pending:
+            text_id = track.pending.popleft()
+        elif track.open:
+            return None  # waits for more text: no tts_eos before the client says the text is complete
+        elif not track.eos_sent:
+            text_id, track.eos_sent = self.tts_eos, True
+        else:
+            text_id = self.tts_pad
+        return [*step[: self.groups], text_id]
+
+    # ---------------------------------------------------------------- steps -> codes
+    def is_stop(self, step: list[int]) -> bool:
+        return step[0] == self.eos
+
+    def codes_from_step(self, step: list[int], codes_so_far: int) -> list[int]:
+        return [] if step[0] == self.eos else list(step[: self.groups])
