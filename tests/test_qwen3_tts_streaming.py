@@ -246,3 +246,26 @@ def test_an_append_the_model_refuses_on_the_engine_thread_ends_that_request_only
         engine.step()
     assert events["a"][-1].kind is EventKind.ERROR and "refused by the model" in events["a"][-1].error
     assert events["b"][-1].finish_reason == "length" and engine.pool.used_pages == 0
+
+
+def test_codebook_0_candidates_and_the_first_frames_without_eos(model, monkeypatch):
+    """Only the 2048 codes and EOS are candidates; EOS is masked in the first 2 frames (min_new_tokens 2): a talker
+    that always wants EOS still speaks 2 frames, then stops."""
+    import torch
+
+    hidden = torch.randn(3, model.talker.cfg.hidden_size)
+    logits, ids = model.candidate_logits(hidden, [0, 16, 32])
+    assert ids.shape == (3, 2049) and ids[0, -1].item() == model.eos and torch.equal(ids[0, :2048], torch.arange(2048))
+    assert torch.isinf(logits[:2, -1]).all() and torch.isfinite(logits[2]).all()
+    full = model.logits
+
+    def wants_eos(h):
+        out = full(h).clone()
+        out[:, model.eos] = 1e4
+        out[:, 2151:] = 2e4  # a suppressed special above it must never be sampled
+        return out
+
+    monkeypatch.setattr(model, "logits", wants_eos)
+    steps = _engine(model).generate_ids([model.prepare(TEXT, "ryan")], SamplingParams(**GREEDY, max_tokens=20))[0]
+    assert [s[0] for s in steps][2] == model.eos and len(steps) == 3
+    assert all(0 <= s[0] < 2048 for s in steps[:2])
