@@ -101,6 +101,8 @@ class Gauges:
     queued: float
     active: float
     alive: float
+    pages_total: float = 0.0
+    preemptions: float = 0.0  # voxbackend_preemptions_total: requests whose pages were taken back mid-generation
 
     @property
     def idle(self) -> bool:
@@ -128,15 +130,19 @@ def metric_total(metrics_url: str, name: str, **labels: str) -> float:
                if n == name and all(f'{k}="{val}"' in lab for k, val in labels.items()))
 
 
-def gauges(metrics_url: str) -> Gauges:
+def gauges(metrics_url: str, model: str | None = None) -> Gauges:
+    """Summed over every engine model, or of one (model="orpheus_engine")."""
     total: dict[str, float] = collections.defaultdict(float)
     alive = []
-    for n, _, v in scrape(metrics_url):
+    for n, lab, v in scrape(metrics_url):
+        if model is not None and f'model="{model}"' not in lab:
+            continue
         total[n] += v
         if n == "voxbackend_engine_alive":
             alive.append(v)
     return Gauges(total["voxbackend_kv_pages_used"], total["voxbackend_queued_requests"],
-                  total["voxbackend_active_streams"], min(alive) if alive else 0.0)
+                  total["voxbackend_active_streams"], min(alive) if alive else 0.0,
+                  total["voxbackend_kv_pages_total"], total["voxbackend_preemptions_total"])
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, step: float = 0.05) -> tuple[bool, float]:
@@ -213,6 +219,14 @@ def stub_pids(marker: str) -> list[int]:
         if args and "triton_python_backend_stub" in args[0] and any(marker in a for a in args):
             pids.append(int(proc.name))
     return pids
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def free_port() -> int:
@@ -319,6 +333,7 @@ class HeldStream:
 
         self.chunks = 0
         self.responses = 0
+        self.late = 0  # responses after the final one (the connection ending later is not one)
         self.error: str | None = None
         self.finish_reason: str | None = None
         self.final = threading.Event()  # a final response or an error arrived
@@ -330,6 +345,9 @@ class HeldStream:
     def _on_response(self, result, error) -> None:
         if self._closed:
             return  # our own hang-up ("Locally cancelled") is not the server's answer
+        if self.final.is_set():  # the stream was answered: a transport error now is the server going away
+            self.late += error is None
+            return
         self.responses += 1
         if error is not None:
             self.error = str(error)
@@ -778,34 +796,68 @@ def probe_kill_running(suite: Suite) -> list[Result]:
                     "active streams back to 0 within 2 s", observed, up and freed and took <= 2.0, t0)]
 
 
-FILL_TEXT = "hello " * 660  # 3,960 characters, ~2,650 prompt tokens: a few such streams fill the 1024-page pool
+FILL_TEXT = "hello " * 660  # 3,960 characters, ~2,650 prompt tokens (166 KV pages): about 6 fit in the 1024-page pool
+FILLERS = 10  # long-prompt streams in the burst: their prompts alone need 1.6x the pool
+FILL_ENGINE = "orpheus_engine"  # the engine whose pool they fill (its own gauges: csm_engine has a pool too)
+FULL_FRACTION = 0.9  # of the pool's pages in use, with a stream held back, counts as full
 
 
-def fill_pool(suite: Suite, max_streams: int = 12) -> tuple[list[HeldStream], list[HeldStream]]:
-    """Long-prompt streams added one at a time until one has to wait for KV pages: (running, waiting).
+@dataclass
+class FullPool:
+    """Long-prompt streams that keep the Orpheus engine's KV pool full, and its metrics at the moment it was."""
+    fillers: list[HeldStream]
+    at_full: Gauges
+    preemptions: float  # since the burst
+    took_s: float
 
-    Admission is by KV pages (max_batch only caps one LM step), and long prompts take real pages whether the
-    engine reserves prompt + max_tokens up front or allocates as sequences grow, so this fills either."""
-    running: list[HeldStream] = []
-    base = suite.gauges().queued
-    try:
-        for i in range(max_streams):
-            h = HeldStream(suite.url, "orpheus", make_inputs(FILL_TEXT, None, "fp32", MAX_TOKENS=LONG_TOKENS,
-                                                             SEED=500 + i, TOP_K=TOP_K), f"filler{i}")
-            ok, _ = wait_until(lambda: h.chunks or h.final.is_set() or suite.gauges().queued > base, 90, step=0.1)
-            if h.final.is_set() or not ok:
-                h.cancel()
-                raise RuntimeError(f"filler {i} did not start: {short(h.error or h.finish_reason or 'no response')}")
-            if not h.chunks:  # the gauge can catch a request between inbox and admission: look again
-                time.sleep(1.0)
-            if not h.chunks and suite.gauges().queued > base:
-                return running, [h]
-            running.append(h)
-    except BaseException:
-        release(running)
-        raise
-    release(running)
-    raise RuntimeError(f"{max_streams} long-prompt streams did not fill the KV pool ({suite.gauges()})")
+    @property
+    def playing(self) -> list[HeldStream]:
+        return [h for h in self.fillers if h.chunks and not h.final.is_set()]
+
+    def __str__(self) -> str:
+        g = self.at_full
+        return (f"KV pool full {self.took_s:.0f} s after a burst of {len(self.fillers)} long-prompt streams: "
+                f"{g.pages:g}/{g.pages_total:g} pages used, {len(self.playing)} playing, queued {g.queued:g}, "
+                f"{self.preemptions:g} preemption(s) since the burst")
+
+    def release(self) -> None:
+        release(self.fillers)
+
+
+def fill_pool(suite: Suite, n: int = FILLERS, timeout: float = 180.0) -> FullPool:
+    """Start n long-prompt streams at once (MAX_TOKENS=LONG_TOKENS) and wait until the engine's own metrics show
+    its KV pool full: at least FULL_FRACTION of the pages used, a stream turned away (queued, or preempted since
+    the burst), one playing, none ended. Pages grow with each sequence and together the fillers always need more
+    than the pool holds, so from then on some of them wait (queued or preempted) at the head of the admission
+    order, each needing more pages than are free: any request that arrives later waits behind them.
+
+    One burst, not one stream at a time: a new stream needs only its first prefill chunk's pages to be admitted,
+    and under load the first fillers finished before the last one was in, so the pool never filled."""
+    before = gauges(suite.metrics_url, FILL_ENGINE).preemptions
+    t0 = time.monotonic()
+    fillers = [HeldStream(suite.url, "orpheus", make_inputs(FILL_TEXT, None, "fp32", MAX_TOKENS=LONG_TOKENS,
+                                                            SEED=500 + i, TOP_K=TOP_K), f"filler{i}")
+               for i in range(n)]
+    seen: list[Gauges] = []
+
+    def full() -> bool:
+        if any(h.final.is_set() for h in fillers):
+            return True  # an ended filler: reported below
+        g = gauges(suite.metrics_url, FILL_ENGINE)
+        seen[:] = [g]
+        turned_away = g.queued >= 1 or g.preemptions > before
+        return g.pages >= FULL_FRACTION * g.pages_total > 0 and turned_away and any(h.chunks for h in fillers)
+
+    ok, took = wait_until(full, timeout, step=0.1)
+    ended = [h for h in fillers if h.final.is_set()]
+    if ended or not ok:
+        release(fillers)
+        why = (f"filler ended: {short(ended[0].error or ended[0].finish_reason or '?', 120)}" if ended else
+               f"not full within {timeout:.0f} s ({seen[0] if seen else 'no metrics'}, "
+               f"{seen[0].pages_total if seen else 0:g} pages in the pool)")
+        raise RuntimeError(f"{n} long-prompt streams did not fill the KV pool: {why}")
+    g = seen[0]
+    return FullPool(fillers, g, g.preemptions - before, time.monotonic() - t0)
 
 
 def release(streams: list[HeldStream]) -> None:
@@ -815,7 +867,7 @@ def release(streams: list[HeldStream]) -> None:
 
 def probe_kill_queued(suite: Suite) -> list[Result]:
     t0 = time.monotonic()
-    running, waiting = fill_pool(suite)
+    pool = fill_pool(suite)
     models = ["orpheus", "orpheus", "orpheus", "orpheus_engine", "orpheus_engine"]
     later = took_later = None
     try:
@@ -833,9 +885,9 @@ def probe_kill_queued(suite: Suite) -> list[Result]:
         if not freed:  # how long the dead clients kept their slots (bounded)
             later, took_later = wait_until(lambda: suite.gauges().queued <= gone, 10, step=0.1)
     finally:
-        release(running + waiting)
-    observed = (f"KV pool full ({len(running)} long streams running, {base:g} waiting); 5 client processes queued "
-                f"behind them (3 ensemble, 2 direct): queued gauge {before:g} before kill -9, "
+        pool.release()
+    observed = (f"{pool}; 5 client processes queued behind them (3 ensemble, 2 direct): queued gauge {before:g} "
+                "before kill -9, "
                 + (f"{after:g} after {took:.2f} s" if freed else f"{after:g} 1 s after it"
                    + (f", {gone:g} after {took_later:.1f} s" if later else f", not {gone:g} within 10 s (until "
                       "admission)")))
@@ -846,7 +898,7 @@ def probe_kill_queued(suite: Suite) -> list[Result]:
 
 def probe_overload(suite: Suite) -> list[Result]:
     t0 = time.monotonic()
-    running, waiting = fill_pool(suite)
+    pool = fill_pool(suite)
     room = MAX_QUEUE - int(suite.gauges().queued)
     queued: list = [None] * room
     threads = []
@@ -861,14 +913,14 @@ def probe_overload(suite: Suite) -> list[Result]:
                                  cancel_after_chunks=1, request_id=f"extra{i}")
                   for i, m in enumerate(["orpheus", "orpheus", "orpheus_engine", "orpheus_engine"])]
     finally:
-        release(running + waiting)
+        pool.release()
     for t in threads:
         t.join(240)
     clean = [o.error is not None and "overloaded" in o.error.lower() and o.responses == 1 and not o.late_responses
              and not o.chunks for o in extras]
     broken = [f"queued {i}: {intact(o) if o else 'no outcome'}" for i, o in enumerate(queued) if o is None or intact(o)]
     first_bad = next((o for o, c in zip(extras, clean) if not c), None)
-    observed = (f"queue {'full' if full else 'NOT full'} ({MAX_QUEUE} waiting behind {len(running)} long streams); "
+    observed = (f"{pool}; queue {'full' if full else 'NOT full'} ({MAX_QUEUE} waiting); "
                 f"{sum(clean)}/{len(extras)} extra requests got one overloaded error"
                 + ("" if first_bad is None else f" (e.g. {short(first_bad.error, 80) if first_bad.error else 'accepted'})")
                 + "; " + ("; ".join(broken[:3]) if broken else f"all {room} short queued requests finished intact"))
@@ -988,17 +1040,12 @@ def probe_engine_fault(suite: Suite) -> list[Result]:
                    verdict(ok), seconds=time.monotonic() - t0)]
 
 
-def is_transport_error(message: str) -> bool:
-    """The connection went away (the server died) rather than the server answering the stream."""
-    return any(s in message for s in ("StatusCode.UNAVAILABLE", "Socket closed", "Connection reset",
-                                      "failed to connect", "RST_STREAM", "StatusCode.CANCELLED"))
-
-
 def probe_shutdown_busy(suite: Suite) -> list[Result]:
     """Must run last on the main server: it stops it."""
     t0 = time.monotonic()
-    running, waiting = fill_pool(suite)
-    running[0].cancel()  # one cancelled: its pages go to the waiting one
+    pool = fill_pool(suite)
+    cancelled = pool.playing[0]
+    cancelled.cancel()  # one cancelled: its pages go to a waiting one
     late = [HeldStream(suite.url, "orpheus" if i == 0 else "orpheus_engine",
                        make_inputs(FILL_TEXT, None, "fp32", MAX_TOKENS=LONG_TOKENS, SEED=600 + i, TOP_K=TOP_K),
                        f"late{i}") for i in range(2)]  # two more that wait
@@ -1007,6 +1054,7 @@ def probe_shutdown_busy(suite: Suite) -> list[Result]:
     refused.final.wait(10)
     refused.cancel()  # a client that cancels a request Triton already refused (issue 9, finding 4)
     g = suite.gauges()
+    open_streams = [h for h in pool.fillers + late if h is not cancelled and not h.final.is_set()]
     stubs = stub_pids(str(suite.server.work_dir))
     launcher = suite.server.proc
     t_sig = time.monotonic()
@@ -1017,25 +1065,26 @@ def probe_shutdown_busy(suite: Suite) -> list[Result]:
         rc = None
     exit_s = time.monotonic() - t_sig
     time.sleep(0.5)
-    left = sorted({p for p in stubs if Path(f"/proc/{p}").exists()} | set(stub_pids(str(suite.server.work_dir))))
-    open_streams = running[1:] + waiting + late
+    left = sorted({p for p in stubs if running(p)} | set(stub_pids(str(suite.server.work_dir))))
     for h in open_streams:
         h.final.wait(1.0)
-    answered = [h.final.is_set() and not (h.error and is_transport_error(h.error)) for h in open_streams]
+    answered = [h.final.is_set() and h.error is None and h.finish_reason == "shutdown" and not h.late
+                for h in open_streams]
     finals = collections.Counter(short(h.error, 60) if h.error else f"final {h.finish_reason}" if h.final.is_set()
                                  else "nothing" for h in open_streams)
     stopped = next((ln for ln in suite.server.lines if ln.startswith("stopped")), "no 'stopped' line")
-    release(open_streams)
+    release(pool.fillers + late)
     if rc is None:
         suite.server.kill()
     ok = (rc == 0 and stopped == "stopped (exit 0)" and exit_s <= 5.0 and all(answered) and not left and queued_ok)
-    observed = (f"at SIGINT: {g} (plus one stream cancelled before, one refused for its dtype then cancelled); "
-                f"launcher exit {rc} after "
-                f"{exit_s:.1f} s, printed '{stopped}'; {sum(answered)}/{len(open_streams)} open streams got a final "
-                f"response from the server ({dict(finals)}); stub processes left: {len(left)}")
+    observed = (f"{pool}; at SIGINT: {g} (plus one stream cancelled before, one refused for its dtype then "
+                f"cancelled); launcher exit {rc} after {exit_s:.1f} s, printed '{stopped}'; "
+                f"{sum(answered)}/{len(open_streams)} open streams got a final response 'shutdown' from the server "
+                f"({dict(finals)}); stub processes left: {len(left)}")
     return [Result("shutdown_busy", "SIGINT to `voxbackend serve` while streams run and wait (one cancelled, one "
                    "refused for its dtype and cancelled): exit 0 within 5 s, tritonserver exit 0, every open stream "
-                   "gets a final response, no triton_python_backend_stub left", observed, verdict(ok),
+                   "gets a final response (reason shutdown) before the socket closes, no triton_python_backend_stub "
+                   "left", observed, verdict(ok),
                    seconds=time.monotonic() - t0)]
 
 

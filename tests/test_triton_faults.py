@@ -25,9 +25,13 @@ FAKE = {
     "checkpoint": "unused",  # the fake ignores it; a non-empty value skips building the default checkpoint
     "engine_loader": "voxbackend.triton.fake_engine:load",
     "frontend_loader": "voxbackend.triton.fake_engine:load_frontend",
-    "kv_pages": "100",  # two 700-token requests fit (45 pages each); more wait
+    # pages grow with each sequence, as in the real engine: two requests of 560 prompt ids (35 pages each) and
+    # 20 chunks (140 positions more: 44 pages each at the end) fit together; a third waits (its 35 pages and one
+    # free page per running request are more than the 30 left), and nobody is preempted
+    "kv_pages": "100",
     "max_queue": "2",  # and beyond two waiting ones, requests are refused
 }
+FILLER = "x" * 541  # "request number 00 " + this: 559 characters, 560 prompt ids in the fake (voice id first)
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +49,9 @@ def server(tmp_path_factory):
 @pytest.mark.parametrize("model", ["orpheus_engine", "orpheus"])
 def test_more_requests_than_the_pool_holds_queue_then_get_overloaded(server, model):
     outs = run_concurrently([
-        lambda i=i: stream_request(server.grpc_url, model, make_inputs(f"request number {i:02d}", MAX_TOKENS=700),
-                                   "pcm16", timeout=60, linger_s=0.2)
+        lambda i=i: stream_request(server.grpc_url, model,
+                                   make_inputs(f"request number {i:02d} {FILLER}", MAX_TOKENS=140), "pcm16",
+                                   timeout=60, linger_s=0.2)
         for i in range(8)
     ], stagger_s=0.02, timeout=120)  # arrive in order, so the first ones take the pages
     done = [o for o in outs if o.error is None]
@@ -56,12 +61,13 @@ def test_more_requests_than_the_pool_holds_queue_then_get_overloaded(server, mod
     for o in refused:
         assert "EngineOverloaded" in o.error and "overloaded" in o.error and o.responses == 1, o.error
     for o in done:
-        assert o.finish_reason == "length" and len(o.chunks) == 1 + len("request number 00")  # fake: 1 per id
+        assert o.finish_reason == "length" and len(o.chunks) == 140 // 7  # the fake: one chunk per 7 tokens
     assert all(o.late_responses == 0 for o in outs)
     deadline = time.monotonic() + 10
     while metric(server, "voxbackend_kv_pages_used") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert metric(server, "voxbackend_kv_pages_used") == 0
+    assert metric(server, "voxbackend_preemptions_total") == 0  # the pool was sized so that nobody is
 
 
 def test_an_engine_failure_ends_every_stream_with_an_error_and_refuses_new_ones(server):
@@ -76,7 +82,7 @@ def test_an_engine_failure_ends_every_stream_with_an_error_and_refuses_new_ones(
     for t in threads:
         t.start()
     time.sleep(0.5)
-    # small enough to be admitted next to the two victims (44 KV pages each of 100)
+    # small enough to be admitted next to the two victims (43 KV pages each at most, of 100)
     killer = stream_request(server.grpc_url, "orpheus_engine", make_inputs("__die__ please", MAX_TOKENS=7), timeout=30)
     for t in threads:
         t.join(60)

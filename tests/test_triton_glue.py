@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import sys
 import threading
@@ -18,7 +19,7 @@ from voxbackend.models.orpheus import OrpheusFrontend
 from voxbackend.sampling_params import SamplingParams
 from voxbackend.triton import audio_encoding, fields, schema
 from voxbackend.triton.cancel_channel import CancelListener, send_cancel, send_shutdown, server_listeners
-from voxbackend.triton.fake_engine import FakeEngine
+from voxbackend.triton.fake_engine import FakeEngine, fake_audio
 from voxbackend.triton.loading import instance_settings
 from voxbackend.triton.streams import ResponseLoop, Stream, _Add
 
@@ -433,3 +434,44 @@ def test_engine_errors_name_the_tensor_the_client_sent():
     assert str(e).startswith("MAX_TOKENS is 100000") and e.field == "max_tokens"
     untouched = InvalidRequest("prompt is empty", field="prompt_ids")
     assert fields.for_client(untouched) is untouched
+
+
+def test_fake_engine_pages_grow_get_preempted_and_end_free():
+    """The fake follows the real engine's page accounting: requests that together outgrow a small pool are preempted
+    and resumed (their audio unchanged), cancellations reach queued and preempted ones, and every page comes back."""
+    rng = random.Random(0)
+    engine = FakeEngine(kv_pages=30, step_s=0.001)
+    engine.start()
+    audio: dict[str, list] = {}
+    finals: dict[str, str] = {}
+    lock = threading.Lock()
+
+    def on_event(e):
+        with lock:
+            if e.kind is EventKind.AUDIO:
+                audio.setdefault(e.request_id, []).append(e.audio)
+            else:
+                finals[e.request_id] = e.finish_reason or e.error
+
+    requests = {}
+    try:
+        for i in range(40):
+            prompt = [1000] + [rng.randrange(97, 120) for _ in range(rng.randrange(5, 200))]
+            sampling = SamplingParams(max_tokens=rng.randrange(7, 200), seed=i)
+            requests[engine.submit(prompt, sampling, on_event, request_id=f"r{i}")] = (prompt, sampling)
+            if i % 7 == 3:
+                engine.cancel(f"r{i - 1}")
+        deadline = time.monotonic() + 30
+        while len(finals) < len(requests) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert len(finals) == len(requests)
+    assert stats.preemptions > 0 and stats.kv_pages_used == 0 and stats.running == 0 and stats.queued == 0
+    assert sorted(set(finals.values())) == ["cancelled", "length"]
+    for rid, reason in finals.items():
+        if reason == "length":
+            prompt, sampling = requests[rid]
+            want = fake_audio(prompt, sampling.validated())
+            assert len(audio.get(rid, [])) == len(want) and all(map(np.array_equal, audio[rid], want)), rid

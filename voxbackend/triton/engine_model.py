@@ -15,7 +15,7 @@ from voxbackend.triton import fields
 from voxbackend.triton.cancel_channel import CancelListener
 from voxbackend.triton.loading import instance_settings, load_engine, model_parameters, request_inputs
 from voxbackend.triton.metrics import TritonMetrics
-from voxbackend.triton.pb_glue import TritonResponder, input_getter, route_logging
+from voxbackend.triton.pb_glue import TritonResponder, input_getter, route_logging, skip_interpreter_teardown
 from voxbackend.triton.schema import DEFAULT_AUDIO_FORMAT
 from voxbackend.triton.streams import ResponseLoop, Stream
 
@@ -92,3 +92,4 @@ class EngineModel:
         self.cancels.close()
         self.loop.stop("the model is being unloaded")
         self.engine.shutdown()
+        skip_interpreter_teardown()

@@ -2,8 +2,11 @@
 
 Select it with the engine parameters `engine_loader: voxbackend.triton.fake_engine:load` and
 `frontend_loader: voxbackend.triton.fake_engine:load_frontend`. Audio is a deterministic function of the
-prompt and seed; one chunk per `step_s` per running request; KV pages are reserved at admission and freed on
-finish or cancel like the real engine. A text containing "__die__" kills the loop (an engine failure).
+prompt and seed; one chunk per `step_s` per running request. KV pages follow the real engine's accounting: a
+request is admitted with the pages of its prompt (plus one free page per running request), grows a page as its
+positions (prompt + TOKENS_PER_CHUNK per chunk sent) need one, and when the pool is dry the latest admitted is
+preempted: its pages go back, it waits at the head of the queue and resumes where it was (the fake has no prefix
+to recompute). A request that could never fit is refused at submit. A text containing "__die__" kills the loop.
 
 Text streaming (`load_streaming` / `load_streaming_frontend`): a model with `text_streaming`, a real BPE
 `text_tokenizer` and per-position audio (chunk i is a function of the seed, i and prompt id i), so a text sent
@@ -13,7 +16,6 @@ whole and the same text sent in pieces give the same audio exactly when the ids 
 from __future__ import annotations
 
 import math
-import queue
 import threading
 import time
 import uuid
@@ -43,7 +45,7 @@ class FakeModel:
     spec = FakeSpec()
     text_streaming = False
     voices = ("tara", "leo")
-    max_chars = 400
+    max_chars = 1000  # long enough for prompts that fill a small KV pool (tests/test_triton_faults.py)
 
     def prepare(self, text: str, voice: str | None = None) -> list[int]:
         if not text.strip():
@@ -114,14 +116,20 @@ class _Req:
     request_id: str
     chunks: list[np.ndarray]
     on_event: Callable[[Event], None]
-    pages: int
+    prompt_len: int
+    arrival: int  # submission order: the queue's order, preempted requests included
     sent: int = 0
+    pages: int = 0
     die: bool = False
     # text streaming models: one chunk per prompt id, made when it is played; the prompt grows by append_text
     prompt: list[int] | None = None
     seed: int = 0
     limit: int = 0  # chunks max_tokens allows
     text_open: bool = False
+
+    @property
+    def positions(self) -> int:
+        return self.prompt_len + TOKENS_PER_CHUNK * self.sent
 
 
 @dataclass
@@ -130,6 +138,7 @@ class FakeStats:
     queued: int
     kv_pages_used: int
     kv_pages_total: int
+    preemptions: int
 
 
 @dataclass
@@ -143,11 +152,12 @@ class FakeEngine:
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._waiting: list[_Req] = []
+        self._waiting: list[_Req] = []  # in arrival order: preempted requests go back to their place
         self._running: dict[str, _Req] = {}
         self._cancelled: set[str] = set()
         self._used = 0
+        self._arrivals = 0
+        self.preemptions = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.alive = True
@@ -167,7 +177,7 @@ class FakeEngine:
         if not prompt_ids:
             raise InvalidRequest("prompt is empty", field="prompt_ids")
         sampling = sampling.validated()
-        pages = math.ceil((len(prompt_ids) + sampling.max_tokens) / self.page_size)
+        pages = self._pages_for(len(prompt_ids) + sampling.max_tokens)
         if pages > self.kv_pages:
             raise InvalidRequest(f"request needs {pages} KV pages; the pool has {self.kv_pages}",
                                  field="max_tokens")
@@ -176,11 +186,14 @@ class FakeEngine:
                 raise EngineOverloaded(f"overloaded: {len(self._waiting)} requests are queued (max_queue)")
             rid = request_id or uuid.uuid4().hex
             text = bytes(i for i in prompt_ids if i < 256).decode("utf-8", "replace")
+            self._arrivals += 1
             if self.model.text_streaming:
-                req = _Req(rid, [], on_event, pages, die=DIE in text, prompt=list(prompt_ids), seed=sampling.seed,
+                req = _Req(rid, [], on_event, len(prompt_ids), self._arrivals, die=DIE in text,
+                           prompt=list(prompt_ids), seed=sampling.seed,
                            limit=sampling.max_tokens // TOKENS_PER_CHUNK, text_open=text_open)
             else:
-                req = _Req(rid, fake_audio(list(prompt_ids), sampling), on_event, pages, die=DIE in text)
+                req = _Req(rid, fake_audio(list(prompt_ids), sampling), on_event, len(prompt_ids), self._arrivals,
+                           die=DIE in text)
             self._waiting.append(req)
         return rid
 
@@ -194,18 +207,22 @@ class FakeEngine:
             r.prompt.extend(int(i) for i in ids)
             r.text_open = not final
 
+
     def cancel(self, request_id: str) -> None:
         with self._lock:
             self._cancelled.add(request_id)
 
     def stats(self) -> FakeStats:
         with self._lock:
-            return FakeStats(len(self._running), len(self._waiting), self._used, self.kv_pages)
+            return FakeStats(len(self._running), len(self._waiting), self._used, self.kv_pages, self.preemptions)
 
     def shutdown(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
+
+    def _pages_for(self, positions: int) -> int:
+        return math.ceil(positions / self.page_size)
 
     def _loop(self) -> None:
         try:
@@ -223,19 +240,14 @@ class FakeEngine:
 
     def _step(self) -> None:
         with self._lock:
-            for r in list(self._waiting):  # admission: FIFO while pages and slots last
-                if r.pages > self.kv_pages - self._used or len(self._running) >= self.max_batch:
-                    break
-                self._waiting.remove(r)
-                self._used += r.pages
-                self._running[r.request_id] = r
+            self._admit()
+            batch = [r for r in self._grow(list(self._running.values())) if r.request_id in self._running]
             cancelled = self._cancelled
             self._cancelled = set()
-            for rid in cancelled:  # queued requests are cancelled too
+            for rid in cancelled:  # queued (and just preempted) requests are cancelled too
                 for r in [w for w in self._waiting if w.request_id == rid]:
                     self._waiting.remove(r)
                     r.on_event(Event(rid, EventKind.FINISHED, index=r.sent, finish_reason="cancelled"))
-            batch = list(self._running.values())
         for r in batch:
             if r.die:
                 raise RuntimeError("injected failure")
@@ -262,10 +274,42 @@ class FakeEngine:
             self._retire(r, "stop")
         # else: out of text with more to come: wait, keeping the pages
 
+    def _admit(self) -> None:
+        """In arrival order while pages and slots last: a new request needs its prompt's pages, a preempted one
+        those of all its positions, and one free page stays for each running request (each grows)."""
+        for r in list(self._waiting):
+            need = self._pages_for(r.positions)
+            if need + len(self._running) > self.kv_pages - self._used or len(self._running) >= self.max_batch:
+                break
+            self._waiting.remove(r)
+            r.pages = need
+            self._used += need
+            self._running[r.request_id] = r
+
+    def _grow(self, batch: list[_Req]) -> list[_Req]:
+        """Each request gets the pages its next chunk's positions need; a dry pool preempts the latest admitted."""
+        for r in sorted(batch, key=lambda r: r.arrival):
+            missing = self._pages_for(r.positions + TOKENS_PER_CHUNK) - r.pages
+            while r.request_id in self._running and missing > self.kv_pages - self._used:
+                self._preempt(max(self._running.values(), key=lambda x: x.arrival))
+            if r.request_id in self._running and missing > 0:
+                r.pages += missing
+                self._used += missing
+        return batch
+
+    def _preempt(self, r: _Req) -> None:
+        del self._running[r.request_id]
+        self._used -= r.pages
+        r.pages = 0
+        self.preemptions += 1
+        self._waiting.append(r)
+        self._waiting.sort(key=lambda w: w.arrival)
+
     def _retire(self, r: _Req, reason: str) -> None:
         with self._lock:
-            self._running.pop(r.request_id, None)
-            self._used -= r.pages
+            if self._running.pop(r.request_id, None) is not None:
+                self._used -= r.pages
+                r.pages = 0
         r.on_event(Event(r.request_id, EventKind.FINISHED, index=r.sent, finish_reason=reason))
 
     def synthesize(self, text: str, voice: str | None = None, sampling: SamplingParams | None = None):

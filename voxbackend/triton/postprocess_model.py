@@ -12,7 +12,7 @@ import numpy as np
 
 from voxbackend.triton.audio_encoding import encode
 from voxbackend.triton.cancel_channel import send_cancel
-from voxbackend.triton.pb_glue import error_response, input_getter, response
+from voxbackend.triton.pb_glue import error_response, input_getter, response, skip_interpreter_teardown
 from voxbackend.triton.streams import PROBE
 
 PASSED_THROUGH = ("SAMPLE_RATE", "CHUNK_INDEX", "FINAL", "FINISH_REASON", "SEED_USED")
@@ -55,3 +55,6 @@ class PostprocessModel:
                 out = error_response(pb, f"audio postprocess failed: {type(e).__name__}: {e}")
             sender.send(out, flags=final)
         return None
+
+    def finalize(self) -> None:
+        skip_interpreter_teardown()

@@ -12,7 +12,7 @@ import numpy as np
 
 from voxbackend.errors import InvalidRequest
 from voxbackend.triton import fields
-from voxbackend.triton.pb_glue import error_response, input_getter, response
+from voxbackend.triton.pb_glue import error_response, input_getter, response, skip_interpreter_teardown
 from voxbackend.triton.loading import load_frontend, model_parameters, request_inputs
 
 
@@ -50,3 +50,6 @@ class PreprocessModel:
             except Exception as e:  # never raise out of execute
                 responses.append(error_response(pb, f"internal error: {type(e).__name__}: {e}"))
         return responses
+
+    def finalize(self) -> None:
+        skip_interpreter_teardown()

@@ -81,31 +81,41 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
 IDLE_TICKS_PER_S = 5  # CPU clock ticks (1/100 s) per second below which a stub counts as idle
 
 
-def stub_cpu_ticks(server_pid: int) -> dict[int, int]:
-    """pid -> user + system CPU ticks so far, for each stub of the server."""
-    ticks = {}
-    for pid in stub_pids(server_pid):
+def stub_states(server_pid: int) -> dict[int, tuple[str, int]]:
+    """pid -> (model it serves, user + system CPU ticks so far), for each stub of the server."""
+    states = {}
+    for pid, model in stub_pids(server_pid).items():
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            ticks[pid] = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+            states[pid] = (model, int(fields[11]) + int(fields[12]))  # utime, stime (fields 14 and 15 of stat)
         except (OSError, IndexError, ValueError):
             continue
-    return ticks
+    return states
 
 
-def stub_pids(server_pid: int) -> list[int]:
-    """The Python backend stubs the server started (its children running triton_python_backend_stub).
+def stub_pids(server_pid: int) -> dict[int, str]:
+    """pid -> model, for the Python backend stubs the server started (its children running
+    triton_python_backend_stub <repository>/<model>/<version>/model.py ...).
 
     Reads the server's own /proc children lists (cheap: this runs while a loaded machine unloads models)."""
-    pids = []
+    pids = {}
     for children in Path(f"/proc/{server_pid}/task").glob("*/children"):
         try:
             for pid in children.read_text().split():
-                if b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    pids.append(int(pid))
-        except OSError:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if b"triton_python_backend_stub" in args[0]:
+                    pids[int(pid)] = Path(args[1].decode(errors="replace")).parts[-3] if len(args) > 1 else "?"
+        except (OSError, IndexError):
             continue  # exited while we looked
     return pids
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (a zombie holds no memory and runs nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -224,28 +234,42 @@ class TritonServer:
         if self.proc is None:
             return None
         code = None
-        if self.proc.poll() is None:
+        t0 = time.monotonic()
+        stopping = self.proc.poll() is None
+        if stopping:
             had_stubs = bool(stub_pids(self.proc.pid))
-            if send_shutdown(self.proc.pid):  # streams end now: SIGINT would wait for every in-flight request
-                self._wait_streams_closed()
+            told = send_shutdown(self.proc.pid)  # streams end now: SIGINT would wait for every in-flight request
+            if told:
+                closed = self._wait_streams_closed()
+                self._note(f"SHUTDOWN to {told} engine instance(s): " + (
+                    f"every stream ended after {closed:.1f} s" if closed is not None else "streams still open"))
             since = Path(self.log_file).stat().st_size
             self.proc.send_signal(signal.SIGINT)
             code = self._wait_unloaded(timeout, had_stubs, since)
+        left = list(stub_pids(self.proc.pid)) if self.proc.poll() is None else []  # killed below
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # stray stubs of this server's group, if any
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+        # a killed stub outlives the server by a moment (its memory is torn down): return once none runs
+        deadline = time.monotonic() + 10
+        while any(_running(pid) for pid in left) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if stopping:
+            self._note(f"stopped {time.monotonic() - t0:.1f} s after the stop began")
         self._log.close()
         code = self.proc.returncode if code is None else code
         self.proc = None
         return code
 
-    def _wait_streams_closed(self, timeout: float = 5.0, settle_s: float = 0.3) -> None:
+    def _wait_streams_closed(self, timeout: float = 5.0, settle_s: float = 0.3) -> float | None:
         """Until the engines report no open stream, then a moment for the final responses to pass the ensemble's
-        postprocess (once SIGINT arrives, Triton refuses new step requests, final ones included)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.proc.poll() is None:
+        postprocess (once SIGINT arrives, Triton refuses new step requests, final ones included). Returns the
+        seconds it took, None if streams were still open at the timeout."""
+        t0 = time.monotonic()
+        took = None
+        while time.monotonic() - t0 < timeout and self.proc.poll() is None:
             try:
                 text = urllib.request.urlopen(self.metrics_url, timeout=2).read().decode()
             except OSError:
@@ -253,33 +277,55 @@ class TritonServer:
             open_streams = sum(float(v) for v in re.findall(r"^voxbackend_active_streams(?:\{[^}]*\})? (\S+)$",
                                                             text, re.MULTILINE))
             if open_streams == 0:
+                took = time.monotonic() - t0
                 break
             time.sleep(0.1)
         time.sleep(settle_s)
+        return took
+
+    def _note(self, text: str) -> None:
+        """A line of ours in the server's log (the log an operator reads)."""
+        with open(self.log_file, "a") as log:
+            log.write(f"voxbackend: {text}\n")
 
     def _wait_unloaded(self, timeout: float, had_stubs: bool, log_offset: int, settle_s: float = 2.0) -> int | None:
         """Wait for the process to exit. 0 (clean) if it is still there once Triton has no request in flight and
-        its remaining model stubs (none, or those of models it keeps alive for a leaked request) sat idle for
-        settle_s: every stream has ended and every model that can unload has."""
+        every model that still has stubs has had the same stubs, idle, for settle_s (a model Triton keeps alive
+        for a leaked request; one that unloads loses a stub within ~1.3 s: Triton finalizes a model's instances
+        one after another, each about a second after the last): every stream has ended and every model that can
+        unload has. Each model is judged on its own, so the slowest unload is not followed by a full settle_s."""
         deadline = time.monotonic() + timeout
-        window: tuple[float, dict[int, int]] | None = None
+        windows: dict[str, tuple[float, dict[int, int]]] = {}  # model -> (since, pid -> CPU ticks then)
+        none_since: float | None = None  # no stub left, and the process is still there
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return None
-            busy = stub_cpu_ticks(self.proc.pid)
             if not had_stubs or not self._log_since(log_offset, "Found 0 model versions that have in-flight"):
-                window = None
-            elif window is None or set(window[1]) != set(busy):
-                window = (time.monotonic(), busy)
-            elif time.monotonic() - window[0] >= settle_s:
-                used = sum(busy[p] - window[1][p] for p in busy)
-                if used <= IDLE_TICKS_PER_S * settle_s * max(1, len(busy)):
-                    with open(self.log_file, "a") as log:
-                        log.write(f"voxbackend: every stream ended and every model that can unload did; "
-                                  f"{len(busy)} idle stub(s) of models Triton 2.51 keeps alive for a request it "
-                                  "refused and the client cancelled; ending the server\n")
-                    return 0
-                window = (time.monotonic(), busy)
+                time.sleep(0.25)
+                continue
+            now = time.monotonic()
+            by_model: dict[str, dict[int, int]] = {}
+            for pid, (model, ticks) in stub_states(self.proc.pid).items():
+                by_model.setdefault(model, {})[pid] = ticks
+            for model in set(windows) - set(by_model):
+                del windows[model]  # unloaded
+            settled = True
+            for model, ticks in by_model.items():
+                since, before = windows.get(model, (now, {}))
+                used = sum(ticks[p] - before[p] for p in ticks) if set(before) == set(ticks) else None
+                if used is None or used > IDLE_TICKS_PER_S * max(settle_s, now - since) * len(ticks):
+                    windows[model] = (now, ticks)  # new, changed or busy: unloading, judged again from now
+                    settled = False
+                elif now - since < settle_s:
+                    settled = False
+            none_since = (none_since or now) if not by_model else None
+            if by_model and settled or none_since is not None and now - none_since >= settle_s:
+                kept = sorted(by_model)
+                self._note("every stream ended and every model that can unload did; " + (
+                    f"{sum(map(len, by_model.values()))} idle stub(s) of {', '.join(kept)}, which Triton 2.51 "
+                    "keeps alive for a request it refused and the client cancelled" if kept else
+                    "only stub-less models (ensembles) are left") + "; ending the server")
+                return 0
             time.sleep(0.25)
         return None  # timed out: killed below, its code reported
 
