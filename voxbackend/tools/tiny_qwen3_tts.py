@@ -132,7 +132,8 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     shapes.update({
         "talker.model.codec_embedding.weight": (t["vocab_size"], h),
         "talker.model.text_embedding.weight": (t["text_vocab_size"], text_h),
-        "talker.text_projection.linear_fc1.weight": (text_h, text_h), "talker.text_projection.linear_fc1.bias": (text_h,),
+        "talker.text_projection.linear_fc1.weight": (text_h, text_h),
+        "talker.text_projection.linear_fc1.bias": (text_h,),
         "talker.text_projection.linear_fc2.weight": (h, text_h), "talker.text_projection.linear_fc2.bias": (h,),
         "talker.codec_head.weight": (t["vocab_size"], h),
     })
