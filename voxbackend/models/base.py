@@ -91,6 +91,7 @@ class SpeechModel:
     voices: tuple[str, ...] = ()
     request_inputs: tuple[TensorSpec, ...] = ()  # the model's own request inputs beyond TEXT and sampling
     text_streaming: bool = False  # text may keep arriving after submission (Engine.append_text)
+    max_text_chars: int = 4000  # text_streaming: the most characters the pieces of one utterance may add up to
 
     # --- preprocessing (CPU, off the engine thread) ---
     def prepare(

@@ -84,6 +84,7 @@ class Qwen3TTSFrontend(SpeechModel):
     """What preprocessing needs (prompt rows, request inputs, spec, default sampling): no talker or codec weights."""
 
     text_streaming = True
+    max_text_chars = MAX_TEXT_CHARS
     # one Triton schema for every variant: what a checkpoint does not take is refused by prepare, naming the field
     request_inputs = (
         TensorSpec("VOICE", "STRING", optional=True,

@@ -45,13 +45,13 @@ class FakeModel:
     spec = FakeSpec()
     text_streaming = False
     voices = ("tara", "leo")
-    max_chars = 1000  # long enough for prompts that fill a small KV pool (tests/test_triton_faults.py)
+    max_text_chars = 1000  # long enough for prompts that fill a small KV pool (tests/test_triton_faults.py)
 
     def prepare(self, text: str, voice: str | None = None) -> list[int]:
         if not text.strip():
             raise InvalidRequest("text is empty", field="text")
-        if len(text) > self.max_chars:
-            raise InvalidRequest(f"text is {len(text)} characters; the limit is {self.max_chars}", field="text")
+        if len(text) > self.max_text_chars:
+            raise InvalidRequest(f"text is {len(text)} characters; the limit is {self.max_text_chars}", field="text")
         voice = voice or self.voices[0]
         if voice not in self.voices:
             raise InvalidRequest(f"unknown voice {voice!r}; choose one of {', '.join(self.voices)}", field="voice")

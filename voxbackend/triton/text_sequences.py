@@ -55,6 +55,7 @@ class OpenText:
     sampling: SamplingParams
     last_piece: float
     submitted: bool = False
+    chars: int = 0  # the text received so far, against the model's max_text_chars
 
 
 class StreamError(Exception):
@@ -147,6 +148,10 @@ class TextSequences:
         if end:
             self._forget(seq)
         try:
+            seq.chars += len(text)
+            if seq.chars > self.model.max_text_chars:
+                raise StreamError(f"InvalidRequest: TEXT: the pieces add up to {seq.chars} characters; the limit is "
+                                  f"{self.model.max_text_chars}")
             ids = seq.committer.add(text) + (seq.committer.close() if end else [])
             if not seq.submitted:
                 self._submit(seq, end)
@@ -155,6 +160,8 @@ class TextSequences:
             return None
         except StreamError as e:
             self._forget(seq)
+            if seq.submitted:  # the engine request must not play on (nor hold its pages) after its stream ended
+                self.engine.cancel(rid)
             if not on_stream:
                 self.loop.reject(rid, str(e))
             return str(e)
