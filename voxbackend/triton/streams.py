@@ -189,6 +189,8 @@ class ResponseLoop:
         if isinstance(item, _Shutdown):
             for s in list(self._streams.values()):
                 self._end_for_shutdown(s)
+            self._update_gauges()  # at once: the launcher sends SIGINT when the gauges show no open stream
+            self._last_gauges = self.clock()
             return
         if isinstance(item, _Cancel):
             s = self._streams.get(item.request_id)
