@@ -31,7 +31,8 @@ from typing import Iterable
 import numpy as np
 
 SAMPLING_DTYPES = {"TEMPERATURE": np.float32, "TOP_P": np.float32, "TOP_K": np.int32, "MIN_P": np.float32,
-                   "REPETITION_PENALTY": np.float32, "MAX_TOKENS": np.int32, "SEED": np.int64}
+                   "REPETITION_PENALTY": np.float32, "MAX_TOKENS": np.int32, "MIN_TOKENS": np.int32,
+                   "SEED": np.int64}
 _NP_TO_TRITON = {np.float32: "FP32", np.int32: "INT32", np.int64: "INT64"}
 
 

@@ -70,6 +70,14 @@ def _import_cosyvoice():
                                  encoder=upsample_encoder, hift=generator, f0=f0_predictor, model=cli_model)
 
 
+def load_cosyvoice_llm():
+    """Upstream cosyvoice.llm.llm (Qwen2LM, Qwen2Encoder) on transformers' Qwen2ForCausalLM."""
+    with _on_path("scipy", "cosyvoice"):
+        _import_cosyvoice()
+        from cosyvoice.llm import llm
+    return llm
+
+
 def load_flashcosyvoice():
     """step-audio2's flashcosyvoice flow and HiFT (batched, independent of the upstream code)."""
     with _on_path("scipy", "step_audio2"):

@@ -23,7 +23,7 @@ class FakeCodecLM(TokenLM):
     def codes_from_step(self, token, codes_so_far):
         return [token]
 
-    def new_codec_state(self):
+    def new_codec_state(self, conditioning):
         return 0
 
     def detokenize(self, jobs: list[WindowJob]) -> list[np.ndarray]:

@@ -16,6 +16,7 @@ class Request:
     on_event: Callable[[Event], None]
     arrival: float
     streaming: bool = True  # False: a batch job with no listener; never "pressing" by playback
+    conditioning: dict[str, Any] = field(default_factory=dict)  # the Prompt's arrays, for new_codec_state
     output_ids: list = field(default_factory=list)  # generated steps: ids, or rows for token_columns > 1
     # the backbone inputs that followed each generated step (the model's next_input; a preempted request
     # recomputes exactly these); one behind output_ids while the model waits for more input (awaiting_input)

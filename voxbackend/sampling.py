@@ -3,7 +3,10 @@
 Every row is processed independently, so a request's tokens do not depend on what else is in the batch: the
 random draw for row r at step n is a hash of (seed_r, n), not a shared generator's next value. Order of
 operations: repetition penalty, then greedy rows take argmax; others apply temperature, top-k, top-p, min-p
-and draw by inverse CDF.
+and draw by inverse CDF. Rows with repetition-aware sampling (ras_window > 0) then check their draw against
+their last ras_window generated ids and, on a repeat, draw again from the whole temperature-scaled
+distribution with a second counter-based number (step + RESAMPLE_STEP), so rows without it draw exactly as
+before.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import torch
 from voxbackend.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
+RESAMPLE_STEP = 1 << 31  # the ras redraw's counter: disjoint from every step a request reaches
 
 
 def uniform_from_seed(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
@@ -38,11 +42,15 @@ class SamplingBatch:
     history: torch.Tensor | None  # [B, L] long, -1 padded: tokens the repetition penalty looks at
     vocab_size: int
     all_greedy: bool = False  # known on the host, so an all-greedy batch needs no device sync to take argmax
+    ras_threshold: torch.Tensor | None = None  # [B] float: ras_window * ras_tau_r, inf where ras is off
+    recent: torch.Tensor | None = None  # [B, W] long, -1 padded: each row's last ras_window generated ids
 
     @classmethod
     def build(
-        cls, params: list[SamplingParams], steps: list[int], histories: list[list[int]], vocab_size: int, device
+        cls, params: list[SamplingParams], steps: list[int], histories: list[list[int]], vocab_size: int, device,
+        recent: list[list[int]] | None = None,
     ) -> "SamplingBatch":
+        """`recent`: each row's generated ids so far (or at least its last ras_window), for rows with ras."""
         def t(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device)
 
@@ -51,6 +59,15 @@ class SamplingBatch:
             width = max(len(h) for h in histories)
             rows = [h + [-1] * (width - len(h)) for h in histories]
             history = t(rows, torch.long)
+        ras_threshold = window = None
+        if any(p.ras_window > 0 for p in params):
+            if recent is None:
+                raise ValueError("repetition-aware sampling needs each row's recent ids")
+            tails = [r[-p.ras_window:] if p.ras_window else [] for p, r in zip(params, recent)]
+            width = max(1, max(len(x) for x in tails))
+            window = t([x + [-1] * (width - len(x)) for x in tails], torch.long)
+            ras_threshold = t([p.ras_window * p.ras_tau_r if p.ras_window else float("inf") for p in params],
+                              torch.float32)
         return cls(
             temperature=t([p.temperature for p in params], torch.float32),
             top_k=t([p.top_k for p in params], torch.long),
@@ -62,6 +79,8 @@ class SamplingBatch:
             history=history,
             vocab_size=vocab_size,
             all_greedy=all(p.temperature == 0 for p in params),
+            ras_threshold=ras_threshold,
+            recent=window,
         )
 
 
@@ -95,7 +114,31 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor |
     scaled = logits / temp[:, None]
     draw = _Draw(batch.top_k, batch.top_p, batch.min_p, uniform_from_seed(batch.seed, batch.step))
     column = _draw_by_value(scaled, draw) if _sorts_by_value(scaled) else _draw_by_sort(scaled, draw)
+    if batch.recent is not None:
+        column = _repetition_aware(scaled, column, to_ids, batch)
     return torch.where(batch.temperature == 0, greedy, to_ids(column))
+
+
+def _repetition_aware(scaled: torch.Tensor, column: torch.Tensor, to_ids, batch: SamplingBatch) -> torch.Tensor:
+    """Rows whose draw occurs >= threshold times among their recent ids draw again from the whole distribution
+    (inverse CDF over the candidates in their given order, with the row's second number)."""
+    repeats = (batch.recent == to_ids(column)[:, None]).sum(dim=-1)
+    redraw = repeats.float() >= batch.ras_threshold
+    cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
+    u = uniform_from_seed(batch.seed, batch.step + RESAMPLE_STEP) * cdf[:, -1]
+    full = torch.searchsorted(cdf, u[:, None], right=True).clamp(max=scaled.shape[-1] - 1)[:, 0]
+    return torch.where(redraw, full, column)
+
+
+def mask_ids(logits: torch.Tensor, token_ids: torch.Tensor | None, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Logits [B, C] with `ids` (model-space ids, e.g. the stop ids) made impossible in the rows where `rows`
+    [B] bool is set; `token_ids` are the candidates' ids as in `sample` (None: the whole vocab)."""
+    if token_ids is None:
+        hit = torch.zeros_like(logits, dtype=torch.bool)
+        hit[:, ids] = True
+    else:
+        hit = torch.isin(token_ids, ids)
+    return logits.masked_fill(hit & rows[:, None], float("-inf"))
 
 
 @dataclass

@@ -20,6 +20,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0; 1 disables
     max_tokens: int = 1200  # LM steps
     seed: int | None = None  # None: drawn at submission
+    min_tokens: int = 0  # LM steps before a stop id may be sampled (its logits are masked until then)
+    # repetition-aware sampling (CosyVoice2's ras): when the top-k/top-p draw already occurs
+    # >= ras_window * ras_tau_r times among the last ras_window generated ids, draw again from the whole
+    # (temperature-scaled, untruncated) distribution. 0 disables.
+    ras_window: int = 0
+    ras_tau_r: float = 0.1
 
     def validated(self) -> "SamplingParams":
         """Return a copy with checked types and ranges and a concrete seed; raise InvalidRequest otherwise."""
@@ -30,6 +36,9 @@ class SamplingParams:
         p.repetition_penalty = _number("repetition_penalty", p.repetition_penalty, float)
         p.top_k = _number("top_k", p.top_k, int)
         p.max_tokens = _number("max_tokens", p.max_tokens, int)
+        p.min_tokens = _number("min_tokens", p.min_tokens, int)
+        p.ras_window = _number("ras_window", p.ras_window, int)
+        p.ras_tau_r = _number("ras_tau_r", p.ras_tau_r, float)
         _check("temperature", p.temperature >= 0, f"must be >= 0 (0 = greedy), got {p.temperature}")
         _check("top_p", 0 < p.top_p <= 1, f"must be in (0, 1], got {p.top_p}")
         _check("min_p", 0 <= p.min_p <= 1, f"must be in [0, 1], got {p.min_p}")
@@ -37,6 +46,9 @@ class SamplingParams:
         _check("repetition_penalty", 0 < p.repetition_penalty <= 100,
                f"must be in (0, 100], got {p.repetition_penalty}")
         _check("max_tokens", p.max_tokens >= 1, f"must be >= 1, got {p.max_tokens}")
+        _check("min_tokens", p.min_tokens >= 0, f"must be >= 0, got {p.min_tokens}")
+        _check("ras_window", 0 <= p.ras_window <= 1000, f"must be in [0, 1000] (0 = off), got {p.ras_window}")
+        _check("ras_tau_r", 0 <= p.ras_tau_r <= 1, f"must be in [0, 1], got {p.ras_tau_r}")
         if p.seed is None:
             p.seed = random.randint(0, MAX_SEED)
         else:

@@ -108,6 +108,9 @@ class DecodeStream:
     generator: torch.Generator      # HiFT excitation noise, drawn window by window
     first_hop: int
     offline: bool = False           # decode everything as one window once the input ends
+    # windows cut as the reference cuts a complete token sequence (tts with all tokens in), whatever the arrival
+    # timing: after a padded first window the next one waits until the flush decision is known (Token2Wav.window_due)
+    as_complete: bool = False
     tokens: list[int] = field(default_factory=list)
     token_offset: int = 0           # tokens whose audio has been emitted
     ended: bool = False             # no more tokens will come
@@ -139,7 +142,8 @@ class Token2Wav:
 
     # ---- streams -------------------------------------------------------------------------------------------
     def new_stream(self, prompt_tokens, prompt_feat: torch.Tensor, embedding: torch.Tensor, seed: int = 0,
-                   first_hop_tokens: int | None = None, offline: bool = False) -> DecodeStream:
+                   first_hop_tokens: int | None = None, offline: bool = False,
+                   as_complete: bool = False) -> DecodeStream:
         cfg, flow = self.cfg, self.flow
         prompt_tokens = torch.as_tensor(prompt_tokens, dtype=torch.long).flatten()
         prompt_feat = torch.as_tensor(prompt_feat, dtype=torch.float32)
@@ -159,7 +163,7 @@ class Token2Wav:
         if first_hop_tokens * flow.cfg.token_mel_ratio < cfg.stream.mel_cache_frames:
             raise InvalidRequest("first window is shorter than the HiFT overlap", field="first_hop_tokens")
         return DecodeStream(prompt_tokens, prompt_feat, embedding, torch.Generator().manual_seed(seed),
-                            first_hop_tokens, offline)
+                            first_hop_tokens, offline, as_complete)
 
     def hop(self, stream: DecodeStream) -> int:
         return stream.first_hop if stream.token_offset == 0 else self.cfg.stream.hop_tokens
@@ -170,7 +174,18 @@ class Token2Wav:
             return None
         if stream.flush_next:
             return "final"
-        if not stream.offline and len(stream.tokens) - stream.token_offset >= self.hop(stream) + self.flow.cfg.pre_lookahead_len:
+        lookahead = self.flow.cfg.pre_lookahead_len
+        pending = len(stream.tokens) - stream.token_offset
+        if stream.as_complete and not stream.offline:
+            # A complete sequence flushes right after a window of hop h when fewer than h + lookahead tokens are
+            # left: until the input ends, wait for as many (after a padded first window, more than a plain hop).
+            last_hop = 0 if stream.token_offset == 0 else stream.first_hop if stream.token_offset == stream.first_hop \
+                else self.cfg.stream.hop_tokens
+            if stream.ended:
+                return "final" if 0 < stream.token_offset and pending < last_hop + lookahead \
+                    or pending < self.hop(stream) + lookahead else "window"
+            return "window" if pending >= max(self.hop(stream), last_hop) + lookahead else None
+        if not stream.offline and pending >= self.hop(stream) + lookahead:
             return "window"
         return "final" if stream.ended else None
 

@@ -36,6 +36,8 @@ class Detokenizer:
         return len(r.codes) // self.per_frame
 
     def ready(self, r: Request) -> int:
+        if self.spec.scheduled_by_model:
+            return self.model.windows_ready(r.codec_state, r.codes, r.lm_done)
         return window_count(self.spec, self.frames(r), r.lm_done) - r.windows_done
 
     def finished(self, r: Request) -> bool:
@@ -47,6 +49,11 @@ class Detokenizer:
         owners: list[Request] = []
         for r, n in plan:
             frames = np.asarray(r.codes[: self.frames(r) * self.per_frame]).reshape(-1, self.per_frame)
+            if self.spec.scheduled_by_model:  # the state knows its windows; it gets every frame so far
+                for k in range(r.windows_done, r.windows_done + n):
+                    jobs.append(WindowJob(r.id, k, frames, window_seed(r.sampling.seed, k), False, r.codec_state))
+                    owners.append(r)
+                continue
             total = window_count(self.spec, len(frames), r.lm_done)
             for k in range(r.windows_done, r.windows_done + n):
                 start, end = window_bounds(self.spec, k, len(frames))

@@ -27,9 +27,9 @@ from voxbackend.engine.kv_pool import KVPool
 from voxbackend.engine.scheduler import make_scheduler, preemption_victim
 from voxbackend.errors import EngineDead, EngineOverloaded, InvalidRequest
 from voxbackend.events import Event, EventKind
-from voxbackend.models.base import SpeechModel
+from voxbackend.models.base import Prompt, SpeechModel, as_prompt
 from voxbackend.request import Request
-from voxbackend.sampling import SamplingBatch, sample
+from voxbackend.sampling import SamplingBatch, mask_ids, sample
 from voxbackend.sampling_params import SamplingParams
 
 log = logging.getLogger("voxbackend.engine")
@@ -76,21 +76,24 @@ class Engine:
     # ---------------------------------------------------------------- public, thread-safe
     def submit(
         self,
-        prompt: list[int] | list[list[int]],
+        prompt: list[int] | list[list[int]] | Prompt,
         sampling: SamplingParams | None = None,
         on_event: Callable[[Event], None] | None = None,
         request_id: str | None = None,
         streaming: bool = True,
         text_open: bool = False,
     ) -> str:
-        """Queue a request; validation errors raise here, before any device work. `text_open` (models with
-        text_streaming): the prompt holds the first piece of the text; more comes through append_text."""
+        """Queue a request; validation errors raise here, before any device work. A Prompt (what prepare may
+        return) brings the request's conditioning arrays and the model's length rules for it. `text_open` (models
+        with text_streaming): the prompt holds the first piece of the text; more comes through append_text."""
         if not self.alive:
             raise EngineDead(f"engine stopped after a failure: {self.dead_reason}")
         if text_open and not self.model.text_streaming:
             raise InvalidRequest(f"{self.model.spec.name} does not take text in pieces (text_open)", field="text")
-        params = (sampling or self.model.default_sampling()).validated()
-        prompt, track = self._check_prompt(prompt, text_open)
+        prepared = as_prompt(prompt)
+        params = prepared.limit((sampling or self.model.default_sampling()).validated())
+        conditioning = self.model.check_conditioning(prepared.conditioning)
+        prompt, track = self._check_prompt(prepared.ids, text_open)
         if params.max_tokens > self.max_tokens_limit:  # refused, not clamped: the client asked for more
             raise InvalidRequest(
                 f"max_tokens is {params.max_tokens}; this server allows at most {self.max_tokens_limit} for "
@@ -107,7 +110,7 @@ class Engine:
             )
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(rid, prompt, params, on_event or (lambda e: None), self.clock(), streaming=streaming,
-                      track=track)
+                      track=track, conditioning=conditioning)
         with self._lock:
             if len(self.waiting) + len(self._inbox) >= self.config.max_queue:
                 raise EngineOverloaded(f"overloaded: {self.config.max_queue} requests already queued; retry later")
@@ -331,7 +334,7 @@ class Engine:
                 r.preempted = False
             else:
                 self.waiting.remove(r)
-                r.codec_state = self.model.new_codec_state()
+                r.codec_state = self.model.new_codec_state(r.conditioning)
                 self.running.append(r)
 
     def _headroom(self) -> int:
@@ -404,6 +407,10 @@ class Engine:
             return
         rows = hidden[torch.tensor(sample_rows, device=dev)]
         logits, token_ids = self.model.candidate_logits(rows, [len(r.codes) for r in sampled])
+        early = [len(r.output_ids) < r.sampling.min_tokens for r in sampled]
+        if any(early) and self.model.spec.stop_ids:  # no stop before min_tokens
+            logits = mask_ids(logits, token_ids, torch.tensor(self.model.spec.stop_ids, device=dev),
+                              torch.tensor(early, device=dev))
         batch = self._sampling_batch(sampled)
         steps = sample(logits, batch, token_ids)
         if self.model.spec.has_depth:  # the rest of each step's columns, all rows at once, on the device
@@ -434,13 +441,20 @@ class Engine:
         a request draws its own number from its seed, whatever else is in the batch."""
         columns = self.model.spec.token_columns
         penalized = any(r.sampling.repetition_penalty != 1.0 for r in sampled)
+        ras = any(r.sampling.ras_window > 0 for r in sampled)
         return SamplingBatch.build(
             [r.sampling for r in sampled],
             [len(r.output_ids) * columns for r in sampled],
             [self._history(r, 0) for r in sampled] if penalized else [[] for _ in sampled],
             self._column_vocab(0),
             self.device,
+            recent=[self._recent(r) for r in sampled] if ras else None,
         )
+
+    def _recent(self, r: Request) -> list[int]:
+        """What repetition-aware sampling looks at: the last generated ids (column 0)."""
+        tail = r.output_ids[-r.sampling.ras_window:] if r.sampling.ras_window else []
+        return tail if self.model.spec.token_columns == 1 else [row[0] for row in tail]
 
     def _column_batch(self, sampled: list[Request], batch: SamplingBatch, column: int) -> SamplingBatch:
         history = batch.history

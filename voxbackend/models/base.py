@@ -10,7 +10,8 @@ part of the contract yet.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -46,6 +47,10 @@ class WindowSpec:
     first_frames: int
     flush_on_finish: bool  # decode the partial tail window when the LM stops
     stateful: bool = False  # windows of one request must be decoded one at a time, in order
+    # the codec's per-request state says when a window is due (SpeechModel.windows_ready), and each job gets all
+    # frames so far; frames/hop/first are then nominal. For schedules that depend on the request (CosyVoice2:
+    # a first window sized by the prompt, a final flush that depends on the tail). Needs stateful.
+    scheduled_by_model: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,29 @@ class ModelSpec:
 
 
 @dataclass
+class Prompt:
+    """What `prepare` returns when a request carries more than its ids (a plain id list means ids only)."""
+
+    ids: list[int] | list[list[int]]
+    # per-request arrays for the codec, one per SpeechModel.conditioning spec (keyed by its arg); they reach
+    # new_codec_state at admission (CosyVoice2: the voice's prompt speech tokens, prompt mel, speaker embedding)
+    conditioning: dict[str, np.ndarray] = field(default_factory=dict)
+    # the model's length rules for this request (CosyVoice2's come from its text length); a client's own
+    # sampling may only tighten them
+    min_tokens: int = 0
+    max_tokens: int | None = None
+
+    def limit(self, params: SamplingParams) -> SamplingParams:
+        """`params` within this prompt's length rules."""
+        max_tokens = params.max_tokens if self.max_tokens is None else min(params.max_tokens, self.max_tokens)
+        return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(params.min_tokens, self.min_tokens))
+
+
+def as_prompt(prepared: "Prompt | list") -> Prompt:
+    return prepared if isinstance(prepared, Prompt) else Prompt(prepared)
+
+
+@dataclass
 class WindowJob:
     """One detokenizer window of one request."""
 
@@ -75,7 +103,7 @@ class WindowJob:
     index: int  # window number within its request (0, 1, ...)
     codes: np.ndarray  # [frames, codes_per_frame] int
     seed: int  # deterministic codec noise for this window
-    is_last: bool
+    is_last: bool  # False for model-scheduled windows: their state knows
     state: Any = None  # per-request codec state for stateful codecs
 
 
@@ -91,14 +119,18 @@ class SpeechModel:
     voices: tuple[str, ...] = ()
     request_inputs: tuple[TensorSpec, ...] = ()  # the model's own request inputs beyond TEXT and sampling
     text_streaming: bool = False  # text may keep arriving after submission (Engine.append_text)
+    # per-request arrays prepare() computes for the codec (Prompt.conditioning, keyed by arg); the Triton glue
+    # carries them from the preprocess to the engine under these names
+    conditioning: tuple[TensorSpec, ...] = ()
     max_text_chars: int = 4000  # text_streaming: the most characters the pieces of one utterance may add up to
 
     # --- preprocessing (CPU, off the engine thread) ---
     def prepare(
         self, text: str, voice: str | None = None, *, text_open: bool = False, **options
-    ) -> list[int] | list[list[int]]:
-        """Prompt ids: one id per position, or (token_columns > 1) one row of token_columns ids per position.
-        `text_open` (text_streaming models): `text` is the first piece and more will follow."""
+    ) -> list[int] | list[list[int]] | Prompt:
+        """Prompt ids: one id per position, or (token_columns > 1) one row of token_columns ids per position;
+        or a Prompt when the request also carries conditioning arrays or length rules. `text_open`
+        (text_streaming models): `text` is the first piece and more will follow."""
         raise NotImplementedError
 
     def text_piece_ids(self, text: str) -> list[int]:
@@ -123,6 +155,28 @@ class SpeechModel:
     def check_track_ids(self, ids: list[int]) -> list[int]:
         """Validated ids for extend_track (called on the caller's thread)."""
         raise InvalidRequest(f"{self.spec.name} does not take text after submission", field="text")
+
+    def check_conditioning(self, conditioning: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Arrays as declared by `conditioning` (names, dtypes, ranks, fixed sizes) -> the arrays; raises
+        InvalidRequest naming the field. Runs at submission, so a bad array never reaches the engine thread."""
+        declared = {spec.arg: spec for spec in self.conditioning}
+        unknown = set(conditioning) - set(declared)
+        if unknown:
+            raise InvalidRequest(f"{self.spec.name} takes no conditioning {sorted(unknown)}", field=sorted(unknown)[0])
+        out = {}
+        for arg, spec in declared.items():
+            if arg not in conditioning:
+                if spec.optional:
+                    continue
+                raise InvalidRequest(f"{arg} is required", field=arg)
+            value = np.asarray(conditioning[arg])
+            integer = spec.dtype.startswith("INT")
+            if value.dtype.kind not in ("iu" if integer else "iuf") or value.ndim != len(spec.dims) or any(
+                    d not in (-1, n) for d, n in zip(spec.dims, value.shape)):
+                raise InvalidRequest(f"{arg} must be a {spec.dtype} array of shape {list(spec.dims)}, got "
+                                     f"{value.dtype} {list(value.shape)}", field=arg)
+            out[arg] = value
+        return out
 
     def default_sampling(self) -> SamplingParams:
         return SamplingParams()
@@ -167,5 +221,11 @@ class SpeechModel:
         """A batch of windows -> float32 audio per window (the samples to play, overlap already removed)."""
         raise NotImplementedError
 
-    def new_codec_state(self) -> Any:
+    def windows_ready(self, state: Any, codes: list[int], lm_done: bool) -> int:
+        """WindowSpec.scheduled_by_model: how many windows of this request can be decoded now, given all its codes
+        so far and whether the LM has finished."""
+        raise NotImplementedError
+
+    def new_codec_state(self, conditioning: dict[str, np.ndarray]) -> Any:
+        """A request's codec state, at admission; `conditioning` is its Prompt's (empty for most models)."""
         return None

@@ -302,7 +302,7 @@ class Csm(CsmFrontend):
         return [] if all(c == self.eos_code for c in frame) else frame
 
     # ---------------------------------------------------------------- codec
-    def new_codec_state(self):
+    def new_codec_state(self, conditioning):
         return self.codec.new_state()
 
     def detokenize(self, jobs: list[WindowJob]) -> list[np.ndarray]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from voxbackend.models import csm, orpheus, qwen3_tts_frontend, qwen3_tts_model, token_lm
+from voxbackend.models import cosyvoice2, csm, orpheus, qwen3_tts_frontend, qwen3_tts_model, token_lm
 from voxbackend.models.base import SpeechModel
 from voxbackend.models.checkpoint import read_config
 from voxbackend.tensor_spec import TensorSpec
@@ -32,10 +32,17 @@ class ModelKind:
     codec: Callable[[Path, str | Path | None], Path | None] = codec_as_given  # the codec folder the classes get
     tiny_checkpoint: str = ""  # "module:function(root=None) -> (model_dir, codec_dir)", built once and reused
     served: str = ""  # description of its Triton ensemble; empty: not served through Triton
+    # a checkpoint folder without a Hugging Face config.json at its top (CosyVoice2's official layout): whether
+    # the folder is of this kind; tried before config.json is read
+    detect_folder: Callable[[Path], bool] | None = None
 
     @property
     def request_inputs(self) -> tuple[TensorSpec, ...]:
         return (self.frontend or self.model).request_inputs
+
+    @property
+    def conditioning(self) -> tuple[TensorSpec, ...]:
+        return (self.frontend or self.model).conditioning
 
 
 # Detection tries the kinds in this order; token_lm (any plain Llama / Qwen2 / Qwen3 causal LM) comes last.
@@ -58,6 +65,13 @@ KINDS: dict[str, ModelKind] = {k.name: k for k in (
         tiny_checkpoint="voxbackend.tools.tiny_qwen3_tts:ensure_default_qwen3_tts",
         served="Qwen3-TTS-12Hz (Qwen3 talker + code predictor, 12 Hz codec at 24 kHz)",
     ),
+    ModelKind(
+        # frontend: tokenizer, voices and (on the first clip) the cloning networks; codec: flow + HiFT in the folder
+        name="cosyvoice2", detect=lambda hf: False, detect_folder=cosyvoice2.is_cosyvoice2_folder,
+        model=cosyvoice2.CosyVoice2, frontend=cosyvoice2.CosyVoice2Frontend,
+        tiny_checkpoint="voxbackend.tools.tiny_cosyvoice2:ensure_default_cosyvoice2",
+        served="CosyVoice2-0.5B (Qwen2 LM, flow matching + HiFT 24 kHz, zero-shot voice cloning)",
+    ),
     ModelKind(name="token_lm", detect=token_lm.is_token_lm_config, model=token_lm.TokenLM),
 )}
 
@@ -69,6 +83,9 @@ def get_kind(name: str) -> ModelKind:
 
 
 def detect_kind(model_dir: str | Path) -> ModelKind:
+    for kind in KINDS.values():
+        if kind.detect_folder is not None and kind.detect_folder(Path(model_dir)):
+            return kind
     hf = read_config(model_dir)
     for kind in KINDS.values():
         if kind.detect(hf):

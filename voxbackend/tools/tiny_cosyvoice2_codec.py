@@ -40,8 +40,10 @@ def _randomize(module: torch.nn.Module, generator: torch.Generator) -> None:
             p.data = 0.1 * torch.randn(p.shape, generator=generator)
 
 
-def tiny_state_dicts(seed: int = 0) -> tuple[Token2WavConfig, dict, dict]:
-    cfg = Token2WavConfig.from_dict(TINY_CONFIG)
+def tiny_state_dicts(seed: int = 0, vocab_size: int | None = None) -> tuple[Token2WavConfig, dict, dict]:
+    """`vocab_size`: the flow's token table (None: TINY_CONFIG's; a whole tiny CosyVoice2 needs the real 6561)."""
+    config = TINY_CONFIG if vocab_size is None else {**TINY_CONFIG, "flow": {**TINY_CONFIG["flow"], "vocab_size": vocab_size}}
+    cfg = Token2WavConfig.from_dict(config)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         flow, hift = FlowMatching(cfg.flow), HiFTGenerator(cfg.hift)
@@ -74,10 +76,10 @@ def tiny_state_dicts(seed: int = 0) -> tuple[Token2WavConfig, dict, dict]:
     return cfg, flow_state, hift_state
 
 
-def write_tiny_codec(out: str | Path, seed: int = 0) -> Path:
+def write_tiny_codec(out: str | Path, seed: int = 0, vocab_size: int | None = None) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg, flow_state, hift_state = tiny_state_dicts(seed)
+    cfg, flow_state, hift_state = tiny_state_dicts(seed, vocab_size)
     torch.save(flow_state, out / "flow.pt")
     torch.save(hift_state, out / "hift.pt")
     (out / Token2WavConfig.CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), indent=1))

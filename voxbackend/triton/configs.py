@@ -68,6 +68,11 @@ class ServedModel:
         return registry.get_kind(self.name).request_inputs
 
     @property
+    def conditioning(self) -> tuple[TensorSpec, ...]:
+        """Arrays its preprocess hands its engine beside the prompt ids, as its class declares them."""
+        return registry.get_kind(self.name).conditioning
+
+    @property
     def engine(self) -> str:
         return f"{self.name}_engine"
 
@@ -156,7 +161,7 @@ def render_ensemble(m: ServedModel) -> str:
     # Decoupled-origin rule: the postprocess reads only engine outputs (AUDIO_FORMAT travels through the engine).
     names = lambda specs: [s.name for s in specs]  # noqa: E731
     pre_in = {n: n for n in names(schema.client_inputs(m.input_specs))}
-    pre_out = {n: f"_pre_{n.lower()}" for n in names(schema.PREPROCESS_OUTPUTS)}
+    pre_out = {n: f"_pre_{n.lower()}" for n in names(schema.preprocess_outputs(m.conditioning))}
     eng_out = {n: f"_eng_{n.lower()}" for n in names(schema.ENGINE_OUTPUTS)}
     post_out = {n: n for n in names(schema.POSTPROCESS_OUTPUTS)}
     steps = ",\n".join([
@@ -210,12 +215,13 @@ def render_all(overrides: dict[str, str] | None = None, models: list[str] | None
         configs[m.preprocess] = _python_model(
             m.preprocess, f"{m.description}: text, {', '.join(s.name for s in m.input_specs)}, sampling -> "
             "validated prompt ids and sampling fields.",
-            schema.client_inputs(m.input_specs), schema.PREPROCESS_OUTPUTS, instances=m.preprocess_instances,
+            schema.client_inputs(m.input_specs), schema.preprocess_outputs(m.conditioning),
+            instances=m.preprocess_instances,
             params={k: params[k] for k in ("checkpoint", "codec", "default_checkpoint", "frontend_loader",
                                            "model_kind")})
         configs[m.engine] = _python_model(
             m.engine, f"{m.description}: the engine, one per instance; streams float audio chunks.",
-            schema.engine_inputs(m.input_specs), schema.ENGINE_OUTPUTS, instances=1, decoupled=True,
+            schema.engine_inputs(m.input_specs, m.conditioning), schema.ENGINE_OUTPUTS, instances=1, decoupled=True,
             params={k: v for k, v in params.items() if k != "frontend_loader"})
         configs[m.name] = render_ensemble(m)
         if m.text_streaming:

@@ -13,7 +13,9 @@ import uuid
 from voxbackend.errors import EngineDead, EngineOverloaded, InvalidRequest
 from voxbackend.triton import fields
 from voxbackend.triton.cancel_channel import CancelListener
-from voxbackend.triton.loading import instance_settings, load_engine, model_parameters, request_inputs
+from voxbackend.models.base import Prompt, as_prompt
+from voxbackend.triton.loading import (conditioning_specs, instance_settings, load_engine, model_parameters,
+                                       request_inputs)
 from voxbackend.triton.metrics import TritonMetrics
 from voxbackend.triton.pb_glue import TritonResponder, input_getter, route_logging, skip_interpreter_teardown
 from voxbackend.triton.schema import DEFAULT_AUDIO_FORMAT
@@ -33,6 +35,7 @@ class EngineModel:
             raise ValueError(f"{args['model_name']} must set model_transaction_policy {{ decoupled: true }}")
         params = model_parameters(config)
         self.inputs = request_inputs(params)
+        self.conditioning = conditioning_specs(params)
         settings = instance_settings(
             params, args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0) or 0))
         self.engine = load_engine(settings)
@@ -70,13 +73,15 @@ class EngineModel:
             fields.audio_format(get)
             ids = fields.prompt_ids(get, self.model.spec.token_columns)
             if ids is None:  # a direct client: prepare here (Triton's thread, not the engine's)
-                ids = fields.prepare_request(get, self.model, self.inputs)
+                prompt = as_prompt(fields.prepare_request(get, self.model, self.inputs))
+            else:  # from the preprocess: its conditioning arrays travel beside the ids
+                prompt = Prompt(ids, fields.conditioning(get, self.conditioning))
             sampling = fields.sampling(get, self.model.default_sampling())  # draws the seed when absent
             stream.seed, stream.probes = sampling.seed, fields.cancel_probes(get)
             try:
-                self.engine.submit(ids, sampling, self.loop.on_event, request_id=request_id)
+                self.engine.submit(prompt, sampling, self.loop.on_event, request_id=request_id)
             except InvalidRequest as e:  # the engine names its own fields (max_tokens); the client sent tensors
-                raise fields.for_client(e, self.inputs) from None
+                raise fields.for_client(e, self.inputs + self.conditioning) from None
         except (InvalidRequest, EngineOverloaded, EngineDead) as e:
             self.loop.reject(request_id, f"{type(e).__name__}: {e}")
         except Exception as e:  # never raise out of execute: the stream would never end

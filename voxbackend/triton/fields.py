@@ -91,6 +91,12 @@ def prepare_kwargs(get: Getter, specs: tuple[TensorSpec, ...]) -> dict:
 
 
 def _scalar(spec: TensorSpec, value: np.ndarray):
+    if spec.kind == "audio":  # an audio file's bytes, for the model to decode
+        item = _single(spec.name, value)
+        if not isinstance(item, (bytes, np.bytes_)):
+            raise InvalidRequest(f"{spec.name} must be BYTES (an audio file), got {value.dtype}",
+                                 field=engine_field(spec.name))
+        return bytes(item) or None
     if spec.dtype == "STRING":
         return string_field(lambda _: value, spec.name) or None
     return _numbers(spec, np.asarray(_single(spec.name, value)).reshape(1))[0]
@@ -262,6 +268,19 @@ def prompt_ids(get: Getter, columns: int = 1) -> list[int] | list[list[int]] | N
     return value.astype(np.int64).reshape(-1, columns).tolist()
 
 
+def conditioning_tensors(prompt, specs: tuple[TensorSpec, ...]) -> dict[str, np.ndarray]:
+    """A Prompt's conditioning arrays under their tensor names (the preprocess's outputs)."""
+    dtypes = {"INT32": np.int32, "INT64": np.int64, "FP32": np.float32}
+    return {s.name: np.ascontiguousarray(prompt.conditioning[s.arg], dtype=dtypes[s.dtype]) for s in specs
+            if s.arg in prompt.conditioning}
+
+
+def conditioning(get: Getter, specs: tuple[TensorSpec, ...]) -> dict[str, np.ndarray]:
+    """The conditioning tensors a request carries with PROMPT_IDS, keyed by their prepare() names (checked by
+    the model at submission)."""
+    return {s.arg: value for s in specs if (value := get(s.name)) is not None}
+
+
 def flat_prompt(ids: list[int] | list[list[int]]) -> np.ndarray:
     """prepare()'s ids or rows -> the 1-D PROMPT_IDS tensor."""
     return np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -270,5 +289,5 @@ def flat_prompt(ids: list[int] | list[list[int]]) -> np.ndarray:
 def sampling_tensors(params: SamplingParams) -> dict[str, np.ndarray]:
     """SamplingParams -> the [1]-shaped tensors of PREPROCESS_OUTPUTS (dtypes as in the schema)."""
     dtypes = {"TEMPERATURE": np.float32, "TOP_P": np.float32, "TOP_K": np.int32, "MIN_P": np.float32,
-              "REPETITION_PENALTY": np.float32, "MAX_TOKENS": np.int32, "SEED": np.int64}
+              "REPETITION_PENALTY": np.float32, "MAX_TOKENS": np.int32, "MIN_TOKENS": np.int32, "SEED": np.int64}
     return {name: np.array([getattr(params, attr)], dtype=dtypes[name]) for name, attr in SAMPLING_FIELDS.items()}

@@ -117,6 +117,13 @@ def request_inputs(params: dict[str, str]) -> tuple:
     return get_kind(params["model_kind"]).request_inputs
 
 
+def conditioning_specs(params: dict[str, str]) -> tuple:
+    """The arrays the model's preprocess hands its engine beside the prompt ids (SpeechModel.conditioning)."""
+    from voxbackend.models.registry import get_kind
+
+    return get_kind(params["model_kind"]).conditioning if params.get("model_kind") else ()
+
+
 def load_frontend(params: dict[str, str]):
     model_dir, codec_dir = resolve_checkpoint(params)
     loader = import_object(params.get("frontend_loader") or "voxbackend.triton.loading:default_frontend")

@@ -13,7 +13,8 @@ import numpy as np
 from voxbackend.errors import InvalidRequest
 from voxbackend.triton import fields
 from voxbackend.triton.pb_glue import error_response, input_getter, response, skip_interpreter_teardown
-from voxbackend.triton.loading import load_frontend, model_parameters, request_inputs
+from voxbackend.models.base import as_prompt
+from voxbackend.triton.loading import conditioning_specs, load_frontend, model_parameters, request_inputs
 
 
 class PreprocessModel:
@@ -25,14 +26,16 @@ class PreprocessModel:
         self.pb = pb_utils
         params = model_parameters(json.loads(args["model_config"]))
         self.inputs = request_inputs(params)
+        self.conditioning = conditioning_specs(params)
         self.model = load_frontend(params)
 
     def outputs(self, get) -> dict[str, np.ndarray]:
         fmt = fields.audio_format(get)
-        ids = fields.prepare_request(get, self.model, self.inputs)
-        sampling = fields.sampling(get, self.model.default_sampling())
+        prompt = as_prompt(fields.prepare_request(get, self.model, self.inputs))
+        sampling = prompt.limit(fields.sampling(get, self.model.default_sampling()))  # the model's length rules
         return {
-            "PROMPT_IDS": fields.flat_prompt(ids),
+            "PROMPT_IDS": fields.flat_prompt(prompt.ids),
+            **fields.conditioning_tensors(prompt, self.conditioning),
             **fields.sampling_tensors(sampling),
             "AUDIO_FORMAT": np.array([fmt.encode()], dtype=np.object_),
             "CANCEL_PROBES": np.array([True]),  # behind the ensemble: the engine cannot see our client leave

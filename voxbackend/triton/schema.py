@@ -20,6 +20,7 @@ SAMPLING_FIELDS = {
     "MIN_P": "min_p",
     "REPETITION_PENALTY": "repetition_penalty",
     "MAX_TOKENS": "max_tokens",
+    "MIN_TOKENS": "min_tokens",
     "SEED": "seed",
 }
 
@@ -30,6 +31,7 @@ _SAMPLING_SPECS = (
     TensorSpec("MIN_P", "FP32", optional=True, doc="[0, 1]"),
     TensorSpec("REPETITION_PENALTY", "FP32", optional=True, doc="(0, 100]; 1 = off"),
     TensorSpec("MAX_TOKENS", "INT32", optional=True, doc="LM steps, >= 1"),
+    TensorSpec("MIN_TOKENS", "INT32", optional=True, doc="LM steps before the model may stop, >= 0"),
     TensorSpec("SEED", "INT64", optional=True, doc="[0, 2^31-1]; random when absent"),
 )
 _FORMAT_SPEC = TensorSpec("AUDIO_FORMAT", "STRING", optional=True, doc='"pcm16" (default) or "fp32"')
@@ -48,10 +50,13 @@ def client_inputs(model_inputs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...
     return (_TEXT_SPEC, *model_inputs, *_SAMPLING_SPECS, _FORMAT_SPEC)
 
 
-def engine_inputs(model_inputs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
-    """Engine inputs: prompt ids (from the preprocess) or TEXT and the model's inputs (direct clients)."""
+def engine_inputs(model_inputs: tuple[TensorSpec, ...],
+                  conditioning: tuple[TensorSpec, ...] = ()) -> tuple[TensorSpec, ...]:
+    """Engine inputs: prompt ids and the model's conditioning arrays (from the preprocess) or TEXT and the model's
+    inputs (direct clients)."""
     return (
         TensorSpec("PROMPT_IDS", "INT64", (-1,), optional=True, doc="prompt token ids; or send TEXT"),
+        *(TensorSpec(s.name, s.dtype, s.dims, optional=True, doc=f"with PROMPT_IDS: {s.doc}") for s in conditioning),
         TensorSpec("TEXT", "STRING", optional=True, doc="UTF-8 text; prepared here when PROMPT_IDS is absent"),
         *model_inputs,
         *_SAMPLING_SPECS,
@@ -60,7 +65,13 @@ def engine_inputs(model_inputs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...
     )
 
 
-# Preprocess -> engine: prompt ids plus every sampling field, validated and filled with the model's defaults.
+def preprocess_outputs(conditioning: tuple[TensorSpec, ...] = ()) -> tuple[TensorSpec, ...]:
+    """PREPROCESS_OUTPUTS, then the model's conditioning arrays (SpeechModel.conditioning)."""
+    return (*PREPROCESS_OUTPUTS, *(TensorSpec(s.name, s.dtype, s.dims, doc=s.doc) for s in conditioning))
+
+
+# Preprocess -> engine: prompt ids plus every sampling field, validated and filled with the model's defaults
+# (and within the request's length rules).
 PREPROCESS_OUTPUTS = (
     TensorSpec("PROMPT_IDS", "INT64", (-1,),
                doc="prompt token ids; multi-column models: rows of token_columns ids, flattened"),

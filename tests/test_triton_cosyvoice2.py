@@ -1,0 +1,180 @@
+"""The cosyvoice2 deployment end to end: a real tritonserver on loopback serving the generated cosyvoice2_preprocess,
+cosyvoice2_engine, cosyvoice2 and audio_postprocess folders unchanged (copied into a repository of their own).
+
+No checkpoint is configured, so the engine model builds the tiny default CosyVoice2 itself (in a temporary
+VOXBACKEND_CACHE); the reference engine in this process loads that same checkpoint. The voice's prompt tokens,
+mel and speaker embedding are computed in the preprocess and reach the engine as ensemble tensors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import soundfile as sf  # noqa: E402
+import tritonclient.grpc as tritonclient  # noqa: E402
+
+from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
+from voxbackend.tools.tiny_cosyvoice2 import DEFAULT_VOICE, voice_clip  # noqa: E402
+from voxbackend.triton import configs  # noqa: E402
+from tests.triton_util import serve  # noqa: E402
+
+FOLDERS = ("cosyvoice2", "cosyvoice2_engine", "cosyvoice2_preprocess", configs.POSTPROCESS)
+MAX_TOKENS = 40  # 1.6 s of audio, two windows: keeps 2-core runs quick
+RATE = 24000
+
+
+def wav(seconds: float, rate: int, seed: int) -> bytes:
+    clip = voice_clip(seconds, rate, seed)
+    buf = io.BytesIO()
+    sf.write(buf, clip, rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+@dataclasses.dataclass
+class Case:
+    text: str
+    voice: str | None = None
+    audio: bytes | None = None  # a clip to clone, with its transcript
+    transcript: str | None = None
+    fmt: str = "fp32"
+    seed: int = 0
+
+    def inputs(self) -> list:
+        inputs = make_inputs(self.text, self.voice, self.fmt, MAX_TOKENS=MAX_TOKENS, SEED=self.seed)
+        if self.audio is not None:
+            inputs.append(_tensor("REFERENCE_AUDIO", _bytes(self.audio), "BYTES"))
+        if self.transcript is not None:
+            inputs.append(_tensor("REFERENCE_TEXT", _bytes(self.transcript.encode()), "BYTES"))
+        return inputs
+
+
+CASES = [
+    Case("Hello there, how are you doing today?", DEFAULT_VOICE, seed=100, fmt="pcm16"),
+    Case("The quick brown fox jumps over the lazy dog.", seed=101),  # the checkpoint's first stored voice
+    Case("Good morning! Good evening!", audio=wav(1.2, 24000, 1), transcript="I am calling about the flat.",
+         seed=102),
+    Case("See you tomorrow, my friend.", audio=wav(0.8, 16000, 2), transcript="Hello, who is this?", seed=103,
+         fmt="pcm16"),
+    Case("Speech models turn text into sound.", audio=wav(1.5, 44100, 3), transcript="Numbers like one, two.",
+         seed=104),  # resampled
+    Case("Can you tell me the way to the library?", DEFAULT_VOICE, seed=105),
+    Case("The children laughed and played in the garden.", audio=wav(1.0, 22050, 4),
+         transcript="When the music stopped, everyone turned around.", seed=106, fmt="pcm16"),
+    Case("It is important to test every part of a system.", seed=107),
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("voxbackend_cache") / "default"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, cache_dir):
+    repo = tmp_path_factory.mktemp("repo")
+    for name in FOLDERS:
+        shutil.copytree(configs.DEFAULT_REPOSITORY / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+    yield from serve(repo, tmp_path_factory.mktemp("triton"), {"VOXBACKEND_CACHE": str(cache_dir)})
+
+
+@pytest.fixture(scope="module")
+def reference(server, cache_dir):
+    """Engine.synthesize in this process, on the checkpoint the server built."""
+    import voxbackend
+    from voxbackend.tools.tiny_cosyvoice2 import ensure_default_cosyvoice2
+
+    model_dir, _ = ensure_default_cosyvoice2(cache_dir.with_name(cache_dir.name + "-cosyvoice2"))
+    engine = voxbackend.load(model_dir)
+    engine.start()
+
+    def synthesize(case: Case) -> np.ndarray:
+        sampling = dataclasses.replace(engine.model.default_sampling(), max_tokens=MAX_TOKENS, seed=case.seed)
+        audio, rate = engine.synthesize(case.text, case.voice, sampling, reference_audio=case.audio,
+                                        reference_text=case.transcript)
+        assert rate == RATE
+        return audio
+
+    yield synthesize
+    engine.shutdown()
+
+
+def run_concurrently(jobs: list) -> list[StreamOutcome]:
+    results: list = [None] * len(jobs)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, jobs[i]())) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return results
+
+
+def assert_matches(out: StreamOutcome, expected: np.ndarray, fmt: str, what: str) -> None:
+    assert out.error is None, f"{what}: {out.error}"
+    assert out.finish_reason in ("stop", "length"), what
+    assert out.sample_rate == RATE
+    assert out.indices == list(range(len(out.chunks))) and out.arrived_in_order, f"{what}: chunks out of order"
+    want = np.clip(expected, -1, 1) if fmt == "pcm16" else expected
+    assert out.audio.size == want.size > 0, f"{what}: {out.audio.size} samples, expected {want.size}"
+    atol = 1e-4 + (1.0 / 32767 if fmt == "pcm16" else 0.0)  # PCM16 rounds each sample
+    np.testing.assert_allclose(out.audio, want, atol=atol, rtol=1e-4, err_msg=what)
+
+
+def test_8_concurrent_streams_match_engine_synthesize(server, reference):
+    jobs = [lambda c=c, i=i: stream_request(server.grpc_url, "cosyvoice2", c.inputs(), c.fmt, timeout=240,
+                                            request_id=f"cv{i}") for i, c in enumerate(CASES)]
+    outs = run_concurrently(jobs)
+    for i, (case, out) in enumerate(zip(CASES, outs)):
+        assert_matches(out, reference(case), case.fmt, f"cosyvoice2 stream {i}")
+    assert len({out.audio.size for out in outs}) > 1
+
+
+def test_engine_model_directly_clones_a_voice(server, reference):
+    case = dataclasses.replace(CASES[2], seed=200)
+    out = stream_request(server.grpc_url, "cosyvoice2_engine", case.inputs(), "fp32", timeout=240)
+    assert_matches(out, reference(case), "fp32", "cosyvoice2_engine stream")
+
+
+def _tensor(name: str, value: np.ndarray, dtype: str):
+    t = tritonclient.InferInput(name, list(value.shape), dtype)
+    t.set_data_from_numpy(value)
+    return t
+
+
+def _bytes(*items) -> np.ndarray:
+    return np.array(list(items), dtype=np.object_)
+
+
+def _request(audio: bytes | None = None, transcript: str | None = None, voice: str | None = None) -> list:
+    return dataclasses.replace(Case("Hello there.", voice, audio, transcript)).inputs()
+
+
+BAD_INPUTS = {
+    "reference audio without transcript": (_request(wav(1.0, 16000, 5)), "REFERENCE_TEXT"),
+    "transcript without reference audio": (_request(transcript="Hello."), "REFERENCE_AUDIO"),
+    "unreadable reference audio": (_request(b"this is not a wav file", "Hello."),
+                                   "REFERENCE_AUDIO is not a readable audio file"),
+    "reference audio too long": (_request(wav(31, 8000, 6), "Hello."), "REFERENCE_AUDIO is 31.00 s; the limit is 30 s"),
+    "reference audio too short": (_request(wav(0.2, 16000, 7), "Hello."), "REFERENCE_AUDIO is 0.20 s"),
+    "unknown voice": (_request(voice="nobody"), "VOICE 'nobody' is not known"),
+    "empty text": (make_inputs("   "), "TEXT is empty"),
+}
+
+
+def test_bad_inputs_are_refused_naming_the_tensor(server):
+    failures = []
+    for model in ("cosyvoice2", "cosyvoice2_engine"):
+        for name, (inputs, message) in BAD_INPUTS.items():
+            out = stream_request(server.grpc_url, model, inputs, timeout=60, linger_s=0.2)
+            if not (out.error and message in out.error and out.responses == 1 and not out.chunks):
+                failures.append(f"{model} / {name}: error={out.error!r} responses={out.responses}")
+    assert not failures, "\n".join(failures)
