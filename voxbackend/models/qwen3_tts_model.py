@@ -49,7 +49,7 @@ class Qwen3TTS(Qwen3TTSFrontend):
         return torch.cat([codes, torch.full_like(first, -1)[:, None]], dim=1)  # next_input fills the text column
 
     # ---------------------------------------------------------------- codec
-    def new_codec_state(self):
+    def new_codec_state(self, conditioning):
         return self.codec.new_state()
 
     def detokenize(self, jobs: list[WindowJob]) -> list[np.ndarray]:
