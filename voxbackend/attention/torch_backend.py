@@ -2,7 +2,9 @@
 
 Decode rows (one new token each) are attended together as one padded batch; each prefill chunk is attended
 on its own with a causal mask offset by its cached context. KV entries are read from the pages every time,
-so the same code path serves fresh prefills, chunked prefills and decodes.
+so the same code path serves fresh prefills, chunked prefills and decodes. Keys are gathered whole pages at a
+time (`index_select` over the page table): a page is one contiguous block of the pool, so this copies a few
+large blocks instead of one small row per key position.
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from voxbackend.attention.base import SeqSlice
 @dataclass
 class _Group:
     rows: torch.Tensor  # [B] or [q_len] indices into the flattened batch
-    slots: torch.Tensor  # [B, max_kv] KV slot per key position
-    mask: torch.Tensor  # [B, 1, q, max_kv] True where attention is allowed
+    pages: torch.Tensor  # [B * pages_per_row] page table, flattened; short rows padded with the scratch page
+    mask: torch.Tensor  # [B, 1, q, pages_per_row * page_size] True where attention is allowed
     is_decode: bool
 
 
@@ -27,52 +29,50 @@ class TorchPagedAttention:
         # kv_cache: [layers, 2, pages, page_size, kv_heads, head_dim]
         self.kv_cache = kv_cache
         self.page_size = page_size
-        self.scratch_slot = scratch_page * page_size
+        self.scratch_page = scratch_page
         self.scale = scale
         self.slot_mapping: torch.Tensor | None = None
         self.groups: list[_Group] = []
 
-    def _slots(self, pages: list[int], n: int) -> list[int]:
-        ps = self.page_size
-        return [pages[i // ps] * ps + i % ps for i in range(n)]
-
     def plan(self, seqs: list[SeqSlice]) -> None:
         device = self.kv_cache.device
+        ps = self.page_size
         write: list[int] = []
         decodes: list[SeqSlice] = []
         self.groups = []
         for s in seqs:
             total = s.context_len + s.q_len
-            write.extend(self._slots(s.pages, total)[s.context_len:])
+            write.extend(s.pages[i // ps] * ps + i % ps for i in range(s.context_len, total))
             if s.q_len == 1:
                 decodes.append(s)
                 continue
-            slots = torch.tensor([self._slots(s.pages, total)], device=device)
+            used = -(-total // ps)
             q_pos = torch.arange(s.context_len, total, device=device)[:, None]
-            mask = (torch.arange(total, device=device)[None, :] <= q_pos)[None, None]
+            mask = (torch.arange(used * ps, device=device)[None, :] <= q_pos)[None, None]
             rows = torch.arange(s.q_start, s.q_start + s.q_len, device=device)
-            self.groups.append(_Group(rows, slots, mask, is_decode=False))
+            pages = torch.tensor(s.pages[:used], dtype=torch.long, device=device)
+            self.groups.append(_Group(rows, pages, mask, is_decode=False))
         if decodes:
-            max_kv = max(s.context_len + 1 for s in decodes)
-            slots = torch.full((len(decodes), max_kv), self.scratch_slot, dtype=torch.long)
-            valid = torch.zeros((len(decodes), max_kv), dtype=torch.bool)
-            for i, s in enumerate(decodes):
-                n = s.context_len + 1
-                slots[i, :n] = torch.tensor(self._slots(s.pages, n))
-                valid[i, :n] = True
+            keys = [s.context_len + 1 for s in decodes]
+            width = -(-max(keys) // ps)
+            table = [s.pages[: -(-n // ps)] for s, n in zip(decodes, keys)]
+            pages = torch.tensor([t + [self.scratch_page] * (width - len(t)) for t in table], dtype=torch.long)
+            valid = torch.arange(width * ps)[None, :] < torch.tensor(keys)[:, None]
             rows = torch.tensor([s.q_start for s in decodes], device=device)
-            self.groups.append(_Group(rows, slots.to(device), valid.to(device)[:, None, None, :], is_decode=True))
+            self.groups.append(_Group(rows, pages.view(-1).to(device), valid.to(device)[:, None, None, :],
+                                      is_decode=True))
         self.slot_mapping = torch.tensor(write, dtype=torch.long, device=device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_pool = self.kv_cache[layer, 0].view(-1, *k.shape[1:])
-        v_pool = self.kv_cache[layer, 1].view(-1, *v.shape[1:])
-        k_pool.index_copy_(0, self.slot_mapping, k.to(k_pool.dtype))
-        v_pool.index_copy_(0, self.slot_mapping, v.to(v_pool.dtype))
+        k_pages, v_pages = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
+        k_pages.view(-1, *k.shape[1:]).index_copy_(0, self.slot_mapping, k.to(k_pages.dtype))
+        v_pages.view(-1, *v.shape[1:]).index_copy_(0, self.slot_mapping, v.to(v_pages.dtype))
         out = torch.empty_like(q)
         for g in self.groups:
-            keys = k_pool[g.slots].transpose(1, 2)  # [B, KVH, max_kv, D]
-            values = v_pool[g.slots].transpose(1, 2)
+            batch = len(g.rows) if g.is_decode else 1
+            # [B * pages, page_size, KVH, D] -> [B, KVH, pages * page_size, D]
+            keys = k_pages.index_select(0, g.pages).view(batch, -1, *k.shape[1:]).transpose(1, 2)
+            values = v_pages.index_select(0, g.pages).view(batch, -1, *v.shape[1:]).transpose(1, 2)
             if g.is_decode:
                 queries = q[g.rows][:, :, None, :]  # [B, H, 1, D]
             else:

@@ -29,7 +29,7 @@ from voxbackend.errors import EngineDead, EngineOverloaded, InvalidRequest
 from voxbackend.events import Event, EventKind
 from voxbackend.models.base import Prompt, SpeechModel, as_prompt
 from voxbackend.request import Request
-from voxbackend.sampling import SamplingBatch, mask_ids, sample
+from voxbackend.sampling import SamplingBatch, mask_ids, padded_history, sample
 from voxbackend.sampling_params import SamplingParams
 
 log = logging.getLogger("voxbackend.engine")
@@ -460,8 +460,7 @@ class Engine:
         history = batch.history
         if history is not None:
             hist = [self._history(r, column) for r in sampled]
-            width = max(1, max(len(h) for h in hist))
-            history = torch.tensor([h + [-1] * (width - len(h)) for h in hist], dtype=torch.long, device=self.device)
+            history = padded_history(hist, max(1, max(len(h) for h in hist)), self.device)
         return dataclasses.replace(batch, step=batch.step + column, history=history,
                                    vocab_size=self._column_vocab(column))
 
