@@ -43,8 +43,9 @@ def _install_stand_ins() -> list[str]:
         root = module.split(".")[0]
         if module in sys.modules or (root == module and importlib.util.find_spec(module) is not None):
             continue
-        if root != module and not vars(sys.modules.get(root, types)).get("_voxbackend_stand_in"):
-            continue  # the real parent package is installed: leave its submodules alone
+        parent = sys.modules.get(root)
+        if root != module and (parent is None or getattr(parent, "__file__", None) is not None):
+            continue  # the real parent package is installed: leave its submodules alone (a stand-in has no file)
         stub = types.ModuleType(module)
         stub.__spec__ = importlib.machinery.ModuleSpec(module, loader=None, is_package=True)
         stub.__path__ = []
