@@ -168,7 +168,7 @@ def simulate(policy: str, workload: Workload, cost: CostModel, seed: int, *, max
                           prefill_budget=512, max_queue=1 << 20, detok_batch=detok_batch,
                           first_chunk_s=first_chunk_s, playback_margin_s=playback_margin_s)
     engine = Engine(model, config, clock=clock)
-    engine.attention = _NoAttention()  # SimSpeech reads no keys or values, so paged-attention plans are waste
+    engine.runner.attention = _NoAttention()  # SimSpeech reads no keys or values, so paged-attention plans are waste
     result = SimResult([])
     if record:
         _instrument(engine, result, clock)
