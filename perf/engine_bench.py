@@ -172,14 +172,23 @@ class Timers:
         self._undo.clear()
 
 
+def sampling_caller():
+    """The module whose `sample` the engine calls: engine.model_runner since the engine / runner split, engine.engine
+    before it (an --ab-base checkout may predate the split)."""
+    try:
+        import voxbackend.engine.model_runner as module
+    except ImportError:
+        import voxbackend.engine.engine as module
+    return module
+
+
 def instrument_engine(engine, timers: Timers) -> None:
-    import voxbackend.engine.engine as engine_mod
     from voxbackend.sampling import SamplingBatch
 
     timers.wrap(engine.model, "forward", "LM forward (backbone)")
     timers.wrap(engine.model, "candidate_logits", "LM head (audio slice)")
     timers.wrap(SamplingBatch, "build", "sampling: batch tensors", is_classmethod=True)
-    timers.wrap(engine_mod, "sample", "sampling: kernel")
+    timers.wrap(sampling_caller(), "sample", "sampling: kernel")
     timers.wrap(engine.model, "detokenize", "codec (SNAC windows)")
 
 

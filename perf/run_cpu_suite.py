@@ -263,14 +263,14 @@ def engine_overhead(engine, prompts: list[str], streams: int, total: int, max_to
     (a finished one is replaced at once). Requests still running after it are cancelled, not measured."""
     import queue as _queue
 
-    import voxbackend.engine.engine as engine_mod
+    import voxbackend.engine.model_runner as runner_mod
     from voxbackend import EventKind
 
     timers = IntervalTimers()
     timers.wrap(engine.model, "forward", "model forward (backbone)")
     timers.wrap(engine.model, "candidate_logits", "LM head (candidate_logits)")
     timers.wrap(engine.model, "detokenize", "codec (detokenize)")
-    timers.wrap(engine_mod, "sample", "sampling (outside the goal)")
+    timers.wrap(runner_mod, "sample", "sampling (outside the goal)")
     finished: _queue.SimpleQueue = _queue.SimpleQueue()
     tokens = [0]
 
