@@ -31,9 +31,12 @@ FAKE = {
     "checkpoint": "unused",  # the fake ignores it; a non-empty value skips building the default checkpoint
     "engine_loader": "voxbackend.triton.fake_engine:load",
     "frontend_loader": "voxbackend.triton.fake_engine:load_frontend",
-    "kv_pages": "100",  # two 700-token requests fit (45 pages each); two more wait
+    # pages grow with each sequence, as in the real engine: two requests of 560 prompt ids (35 pages each, 44 at
+    # the end of their 20 chunks) fit together; the next ones wait (as in tests/test_triton_faults.py)
+    "kv_pages": "100",
     "max_queue": "2",  # and beyond two waiting ones, requests are refused
 }
+FILLER = "x" * 541  # "request number 00 " + this: 559 characters, 560 prompt ids in the fake (voice id first)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +62,9 @@ def test_past_the_queue_requests_get_429(api, client):
 
     def one(i: int) -> None:
         try:
-            outcomes[i] = client.audio.speech.create(model="orpheus", voice="tara", input=f"request number {i:02d}",
-                                                     response_format="pcm", extra_body={"max_tokens": 700}).content
+            outcomes[i] = client.audio.speech.create(
+                model="orpheus", voice="tara", input=f"request number {i:02d} {FILLER}", response_format="pcm",
+                extra_body={"max_tokens": 140}).content
         except openai.APIStatusError as e:
             outcomes[i] = e
 

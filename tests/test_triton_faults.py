@@ -42,10 +42,6 @@ def server(tmp_path_factory):
     yield from serve(repo, tmp_path_factory.mktemp("triton"), stop_within_s=30, clean_exit=False)
 
 
-
-
-
-
 @pytest.mark.parametrize("model", ["orpheus_engine", "orpheus"])
 def test_more_requests_than_the_pool_holds_queue_then_get_overloaded(server, model):
     outs = run_concurrently([

@@ -26,6 +26,7 @@ import numpy as np
 
 from voxbackend.errors import EngineDead, EngineOverloaded, InvalidRequest
 from voxbackend.events import Event, EventKind
+from voxbackend.models.base import as_prompt
 from voxbackend.models.text_tokens import TextTokenizer
 from voxbackend.sampling_params import SamplingParams
 
@@ -167,8 +168,9 @@ class FakeEngine:
             self._thread = threading.Thread(target=self._loop, name="fake-engine", daemon=True)
             self._thread.start()
 
-    def submit(self, prompt_ids, sampling: SamplingParams | None = None, on_event=None, request_id: str | None = None,
+    def submit(self, prompt, sampling: SamplingParams | None = None, on_event=None, request_id: str | None = None,
                streaming: bool = True, text_open: bool = False) -> str:
+        prompt_ids = as_prompt(prompt).ids  # the glue hands over a Prompt (ids and conditioning arrays)
         if text_open and not self.model.text_streaming:
             raise InvalidRequest(f"{self.model.spec.name} cannot take text in pieces", field="text")
         sampling = sampling or self.model.default_sampling()
