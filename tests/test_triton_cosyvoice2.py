@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import shutil
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -23,10 +21,10 @@ sys.path.insert(0, str(ROOT))
 import soundfile as sf  # noqa: E402
 import tritonclient.grpc as tritonclient  # noqa: E402
 
-from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
+from clients.tts_stream import make_inputs, stream_request  # noqa: E402
 from voxbackend.tools.tiny_cosyvoice2 import DEFAULT_VOICE, voice_clip  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
-from tests.triton_util import serve  # noqa: E402
+from tests.triton_util import assert_matches, committed_models, run_concurrently, serve  # noqa: E402
 
 FOLDERS = ("cosyvoice2", "cosyvoice2_engine", "cosyvoice2_preprocess", configs.POSTPROCESS)
 MAX_TOKENS = 40  # 1.6 s of audio, two windows: keeps 2-core runs quick
@@ -81,9 +79,7 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, cache_dir):
-    repo = tmp_path_factory.mktemp("repo")
-    for name in FOLDERS:
-        shutil.copytree(configs.DEFAULT_REPOSITORY / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+    repo = committed_models(FOLDERS, tmp_path_factory.mktemp("repo"))
     yield from serve(repo, tmp_path_factory.mktemp("triton"), {"VOXBACKEND_CACHE": str(cache_dir)})
 
 
@@ -108,25 +104,15 @@ def reference(server, cache_dir):
     engine.shutdown()
 
 
-def run_concurrently(jobs: list) -> list[StreamOutcome]:
-    results: list = [None] * len(jobs)
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, jobs[i]())) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    return results
 
 
-def assert_matches(out: StreamOutcome, expected: np.ndarray, fmt: str, what: str) -> None:
-    assert out.error is None, f"{what}: {out.error}"
-    assert out.finish_reason in ("stop", "length"), what
-    assert out.sample_rate == RATE
-    assert out.indices == list(range(len(out.chunks))) and out.arrived_in_order, f"{what}: chunks out of order"
-    want = np.clip(expected, -1, 1) if fmt == "pcm16" else expected
-    assert out.audio.size == want.size > 0, f"{what}: {out.audio.size} samples, expected {want.size}"
-    atol = 1e-4 + (1.0 / 32767 if fmt == "pcm16" else 0.0)  # PCM16 rounds each sample
-    np.testing.assert_allclose(out.audio, want, atol=atol, rtol=1e-4, err_msg=what)
+
+
+def assert_nonempty_match(out, expected: np.ndarray, fmt: str, what: str) -> None:
+    assert expected.size > 0, f"{what}: the reference made no audio"
+    # the flow's batched matmuls round differently with the batch's make-up (measured up to 1.7e-4 on 2 of
+    # 38,400 samples); a wrong voice, seed or window differs by ~0.1
+    assert_matches(out, expected, fmt, what, RATE, atol=5e-4, rtol=1e-4)
 
 
 def test_8_concurrent_streams_match_engine_synthesize(server, reference):
@@ -134,14 +120,14 @@ def test_8_concurrent_streams_match_engine_synthesize(server, reference):
                                             request_id=f"cv{i}") for i, c in enumerate(CASES)]
     outs = run_concurrently(jobs)
     for i, (case, out) in enumerate(zip(CASES, outs)):
-        assert_matches(out, reference(case), case.fmt, f"cosyvoice2 stream {i}")
+        assert_nonempty_match(out, reference(case), case.fmt, f"cosyvoice2 stream {i}")
     assert len({out.audio.size for out in outs}) > 1
 
 
 def test_engine_model_directly_clones_a_voice(server, reference):
     case = dataclasses.replace(CASES[2], seed=200)
     out = stream_request(server.grpc_url, "cosyvoice2_engine", case.inputs(), "fp32", timeout=240)
-    assert_matches(out, reference(case), "fp32", "cosyvoice2_engine stream")
+    assert_nonempty_match(out, reference(case), "fp32", "cosyvoice2_engine stream")
 
 
 def _tensor(name: str, value: np.ndarray, dtype: str):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import shutil
 import sys
 import threading
 import time
@@ -25,7 +24,7 @@ import tritonclient.grpc as tritonclient  # noqa: E402
 
 from clients.tts_stream import StreamOutcome, context_fields, make_inputs, stream_request  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
-from tests.triton_util import assert_matches, run_concurrently, serve  # noqa: E402
+from tests.triton_util import assert_matches, committed_models, run_concurrently, serve  # noqa: E402
 
 
 FOLDERS = ("csm", "csm_engine", "csm_preprocess", configs.POSTPROCESS)
@@ -94,9 +93,7 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, cache_dir):
-    repo = tmp_path_factory.mktemp("repo")
-    for name in FOLDERS:
-        shutil.copytree(configs.DEFAULT_REPOSITORY / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+    repo = committed_models(FOLDERS, tmp_path_factory.mktemp("repo"))
     yield from serve(repo, tmp_path_factory.mktemp("triton"), {"VOXBACKEND_CACHE": str(cache_dir)})
 
 

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from clients.tts_stream import make_inputs, stream_request, stream_text_pieces  # noqa: E402
 from tests.triton_util import serve  # noqa: E402
+from tests import triton_util  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
 
 MODEL = "qwen3_tts_text_stream"
@@ -49,9 +49,8 @@ def batched_string(name: str, value: str):
     return t
 
 
-def metric(server, name: str, model: str = MODEL) -> float:
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    return sum(float(v) for v in re.findall(rf'^{name}\{{[^}}]*model="{model}"[^}}]*\}} ([0-9.e+-]+)$', text, re.M))
+def metric(server, name: str) -> float:
+    return triton_util.metric(server, name, model=MODEL)
 
 
 def test_pieces_with_delays_give_the_whole_texts_audio(server):

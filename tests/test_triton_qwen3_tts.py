@@ -7,9 +7,7 @@ INSTRUCT is refused) in a temporary VOXBACKEND_CACHE; the reference engine in th
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +18,9 @@ sys.path.insert(0, str(ROOT))
 
 import tritonclient.grpc as tritonclient  # noqa: E402
 
-from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
+from clients.tts_stream import make_inputs, stream_request  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
-from tests.triton_util import serve  # noqa: E402
+from tests.triton_util import assert_matches, committed_models, run_concurrently, serve  # noqa: E402
 
 FOLDERS = ("qwen3_tts", "qwen3_tts_engine", "qwen3_tts_preprocess", configs.POSTPROCESS)
 MAX_TOKENS = 12  # frames of 80 ms
@@ -68,9 +66,7 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, cache_dir):
-    repo = tmp_path_factory.mktemp("repo")
-    for name in FOLDERS:
-        shutil.copytree(configs.DEFAULT_REPOSITORY / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+    repo = committed_models(FOLDERS, tmp_path_factory.mktemp("repo"))
     yield from serve(repo, tmp_path_factory.mktemp("triton"), {"VOXBACKEND_CACHE": str(cache_dir)})
 
 
@@ -94,26 +90,14 @@ def reference(server, cache_dir):
     engine.shutdown()
 
 
-def run_concurrently(jobs: list) -> list[StreamOutcome]:
-    results: list = [None] * len(jobs)
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, jobs[i]())) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    return results
 
 
-def assert_matches(out: StreamOutcome, expected: np.ndarray, fmt: str, what: str) -> None:
-    assert out.error is None, f"{what}: {out.error}"
-    assert out.finish_reason in ("stop", "length"), what
-    assert out.sample_rate == RATE
-    assert out.indices == list(range(len(out.chunks))) and out.arrived_in_order, f"{what}: chunks out of order"
+
+
+def assert_first_frame_match(out, expected: np.ndarray, fmt: str, what: str) -> None:
+    assert expected.size > 0, f"{what}: the reference made no audio"
+    assert_matches(out, expected, fmt, what, RATE)
     assert len(out.chunks) >= 2, f"{what}: the first frame is its own window"
-    want = np.clip(expected, -1, 1) if fmt == "pcm16" else expected
-    assert out.audio.size == want.size and want.size > 0, f"{what}: {out.audio.size} samples, expected {want.size}"
-    atol = 1e-4 + (1.0 / 32767 if fmt == "pcm16" else 0.0)  # PCM16 rounds each sample
-    np.testing.assert_allclose(out.audio, want, atol=atol, err_msg=what)
 
 
 def test_8_concurrent_qwen3_tts_streams_match_engine_synthesize(server, reference):
@@ -121,7 +105,7 @@ def test_8_concurrent_qwen3_tts_streams_match_engine_synthesize(server, referenc
                                             request_id=f"qwen{i}") for i, c in enumerate(CASES)]
     outs = run_concurrently(jobs)
     for i, (case, out) in enumerate(zip(CASES, outs)):
-        assert_matches(out, reference(case), case.fmt, f"qwen3_tts stream {i}")
+        assert_first_frame_match(out, reference(case), case.fmt, f"qwen3_tts stream {i}")
 
 
 BAD_INPUTS = {

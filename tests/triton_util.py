@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import threading
 import time
 import urllib.request
@@ -28,6 +29,15 @@ def serve(repo: Path, log_dir: Path, env: dict[str, str] | None = None, stop_wit
     assert time.monotonic() - t0 < stop_within_s, "tritonserver took too long to stop (a stream left open?)"
 
 
+def committed_models(folders: list[str], repo: Path) -> Path:
+    """A repository holding only these folders of the committed model_repository/ (what users copy)."""
+    from voxbackend.triton import configs
+
+    for name in folders:
+        shutil.copytree(configs.DEFAULT_REPOSITORY / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return repo
+
+
 def run_concurrently(jobs: list[Callable[[], T]], stagger_s: float = 0.0, timeout: float = 600) -> list[T]:
     """Run each job on its own thread (started `stagger_s` apart, so they arrive in order) and collect results."""
     results: list = [None] * len(jobs)
@@ -40,7 +50,8 @@ def run_concurrently(jobs: list[Callable[[], T]], stagger_s: float = 0.0, timeou
     return results
 
 
-def assert_matches(out, expected: np.ndarray, fmt: str, what: str, rate: int = 24000) -> None:
+def assert_matches(out, expected: np.ndarray, fmt: str, what: str, rate: int = 24000, atol: float = 1e-4,
+                   rtol: float = 0.0) -> None:
     """A finished stream (clients.tts_stream.StreamOutcome) carries exactly the expected audio. The engine may
     merge several ready windows into one chunk, so chunk boundaries depend on timing; the samples do not."""
     assert out.error is None, f"{what}: {out.error}"
@@ -49,8 +60,8 @@ def assert_matches(out, expected: np.ndarray, fmt: str, what: str, rate: int = 2
     assert out.indices == list(range(len(out.chunks))) and out.arrived_in_order, f"{what}: chunks out of order"
     want = np.clip(expected, -1, 1) if fmt == "pcm16" else expected
     assert out.audio.size == want.size, f"{what}: {out.audio.size} samples, expected {want.size}"
-    atol = 1e-4 + (1.0 / 32767 if fmt == "pcm16" else 0.0)  # PCM16 rounds each sample
-    np.testing.assert_allclose(out.audio, want, atol=atol, err_msg=what)
+    atol += 1.0 / 32767 if fmt == "pcm16" else 0.0  # PCM16 rounds each sample
+    np.testing.assert_allclose(out.audio, want, atol=atol, rtol=rtol, err_msg=what)
 
 
 def metric_values(server: TritonServer, name: str) -> dict[str, float]:
