@@ -98,3 +98,31 @@ def reference_rope():
         yield
     finally:
         del ROPE_INIT_FUNCTIONS["default"]
+
+
+def reference_codec(folder):
+    """The reference 12 Hz decoder with a speech-tokenizer folder's `decoder.*` weights (strict), and the official
+    decode entry point `Qwen3TTSTokenizerV2Model.decode` bound to it: codes [B, T, 16] -> audio per clip. The whole
+    reference model does not construct on transformers 5.23 (its Mimi encoder assigns MimiModel properties), and
+    decoding never touches the encoder."""
+    import types
+
+    import torch
+
+    from voxbackend.codecs.mimi_weights import read_codec_tensors
+
+    import_qwen_tts()
+    from qwen_tts.core import Qwen3TTSTokenizerV2Config, Qwen3TTSTokenizerV2Model
+    from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Decoder
+
+    cfg = Qwen3TTSTokenizerV2Config.from_pretrained(folder)
+    with reference_rope():
+        decoder = Qwen3TTSTokenizerV2Decoder._from_config(cfg.decoder_config).eval()
+    decoder.load_state_dict(read_codec_tensors(folder, "decoder."), strict=True)
+    model = types.SimpleNamespace(decoder=decoder, decode_upsample_rate=cfg.decode_upsample_rate, config=cfg)
+
+    def decode(codes: torch.Tensor) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return Qwen3TTSTokenizerV2Model.decode(model, codes).audio_values
+
+    return decoder, decode

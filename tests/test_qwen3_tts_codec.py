@@ -10,12 +10,11 @@ rounding alone (1e-10 asserted), which a wrong state could not reach.
 """
 import json
 import sys
-import types
 
 import pytest
 import torch
 
-from qwen_tts_oracle import import_qwen_tts, reference_rope
+from qwen_tts_oracle import reference_codec
 from voxbackend.codecs.mimi_encoder import MimiEncoder
 from voxbackend.codecs.mimi_weights import read_codec_tensors
 from voxbackend.codecs.qwen3_tts_codec import Qwen3TTSCodec
@@ -43,21 +42,8 @@ def reference(folder):
     """The reference decoder with the folder's `decoder.*` weights (strict), and the official decode entry point
     `Qwen3TTSTokenizerV2Model.decode` bound to it. The whole reference model does not construct on transformers
     5.23 (its Mimi encoder assigns MimiModel properties), and decoding never touches the encoder."""
-    import_qwen_tts()
-    from qwen_tts.core import Qwen3TTSTokenizerV2Config, Qwen3TTSTokenizerV2Model
-    from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Decoder
-
-    cfg = Qwen3TTSTokenizerV2Config.from_pretrained(folder)
-    with reference_rope():
-        decoder = Qwen3TTSTokenizerV2Decoder._from_config(cfg.decoder_config).eval()
-    decoder.load_state_dict(read_codec_tensors(folder, "decoder."), strict=True)
-    model = types.SimpleNamespace(decoder=decoder, decode_upsample_rate=cfg.decode_upsample_rate, config=cfg)
-
-    def official_decode(codes: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return torch.stack(Qwen3TTSTokenizerV2Model.decode(model, codes).audio_values)
-
-    return decoder, official_decode
+    decoder, decode = reference_codec(folder)
+    return decoder, lambda codes: torch.stack(decode(codes))
 
 
 def _codes(batch: int, frames: int, seed: int) -> torch.Tensor:

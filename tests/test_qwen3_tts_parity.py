@@ -11,17 +11,15 @@ Length: the reference's codes stop at the first EOS; with max_new_tokens N and n
 from __future__ import annotations
 
 import json
-import types
 
 import numpy as np
 import pytest
 import torch
 
-from qwen_tts_oracle import import_qwen_tts, reference_rope
+from qwen_tts_oracle import import_qwen_tts, reference_codec, reference_rope
 from voxbackend import SamplingParams
 from voxbackend.attention.base import SeqSlice
 from voxbackend.attention.torch_backend import TorchPagedAttention
-from voxbackend.codecs.mimi_weights import read_codec_tensors
 from voxbackend.config import EngineConfig
 from voxbackend.engine.engine import Engine
 from voxbackend.engine.kv_pool import KVPool
@@ -210,21 +208,8 @@ def test_continuous_batching_with_staggered_arrivals_equals_reference(refs, ours
 
 
 def _reference_decoder(folder):
-    import_qwen_tts()
-    from qwen_tts.core import Qwen3TTSTokenizerV2Config, Qwen3TTSTokenizerV2Model
-    from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Decoder
-
-    cfg = Qwen3TTSTokenizerV2Config.from_pretrained(folder)
-    with reference_rope():
-        decoder = Qwen3TTSTokenizerV2Decoder._from_config(cfg.decoder_config).eval()
-    decoder.load_state_dict(read_codec_tensors(folder, "decoder."), strict=True)
-    model = types.SimpleNamespace(decoder=decoder, decode_upsample_rate=cfg.decode_upsample_rate, config=cfg)
-
-    def decode(codes: np.ndarray) -> np.ndarray:
-        with torch.no_grad():
-            return Qwen3TTSTokenizerV2Model.decode(model, torch.as_tensor(codes)[None]).audio_values[0].numpy()
-
-    return decode
+    _, official = reference_codec(folder)
+    return lambda codes: official(torch.as_tensor(codes)[None])[0].numpy()
 
 
 def test_synthesize_audio_equals_reference_decode_of_reference_codes(cv, refs, ours):
