@@ -14,33 +14,9 @@ from voxbackend.sampling_params import SamplingParams
 from voxbackend.triton.fake_engine import FakeEngine, FakeModel, FakeStreamingModel
 from voxbackend.triton.streams import ResponseLoop
 from voxbackend.triton.text_sequences import Piece, TextSequences
+from tests.util_responder import Recorder
 
 TEXT = "Hello there, how are you doing today? I'm fine, thanks; we'll see you tomorrow."
-
-
-class Recorder:
-    def __init__(self):
-        self.sent: list[tuple[dict | None, str | None, bool]] = []
-        self.cancelled = False
-        self.done = threading.Event()
-
-    def send(self, outputs, error, final):
-        self.sent.append((outputs, error, final))
-        if final:
-            self.done.set()
-
-    def is_cancelled(self):
-        return self.cancelled
-
-    @property
-    def audio(self) -> np.ndarray:
-        chunks = [o["AUDIO"] for o, _, final in self.sent if o is not None and not final]
-        return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-
-    @property
-    def final(self) -> tuple[dict | None, str | None, bool]:
-        assert self.done.wait(10), "no final response"
-        return self.sent[-1]
 
 
 @pytest.fixture

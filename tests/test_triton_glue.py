@@ -22,6 +22,7 @@ from voxbackend.triton.cancel_channel import CancelListener, send_cancel, send_s
 from voxbackend.triton.fake_engine import FakeEngine, fake_audio
 from voxbackend.triton.loading import instance_settings
 from voxbackend.triton.streams import ResponseLoop, Stream, _Add
+from tests.util_responder import Recorder
 
 
 def getter(**tensors):
@@ -178,28 +179,6 @@ def test_encodings_round_trip_and_clip():
 
 
 # ---------------------------------------------------------------- response thread
-
-
-class Recorder:
-    """A Responder that records what the loop sends."""
-
-    def __init__(self, cancelled: bool = False):
-        self.sent: list[tuple[dict | None, str | None, bool]] = []
-        self.cancelled = cancelled
-        self.done = threading.Event()
-
-    def send(self, outputs, error, final):
-        self.sent.append((outputs, error, final))
-        if final:
-            self.done.set()
-
-    def is_cancelled(self):
-        return self.cancelled
-
-    @property
-    def audio(self) -> np.ndarray:
-        chunks = [o["AUDIO"] for o, _, final in self.sent if o is not None and not final]
-        return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
 
 
 class Metrics:
