@@ -45,3 +45,18 @@ def test_ablation_table_has_one_row_per_policy():
     lines = table.splitlines()
     assert len(lines) == 4 and lines[2].startswith("| online | 10 | 0 | 200 | 500 | 900 | 97.5 | 80.0 | 1.50 |")
     assert "| fcfs | 10 | 0 | - |" in lines[3]
+
+
+def test_ablation_runs_at_the_knee_and_the_next_rate_above():
+    res = {0.4: {}, 0.8: {}, 1.6: {}, 2.4: {}}
+    assert suite.ablation_rates(res, 0.8) == [0.8, 1.6]
+    assert suite.ablation_rates(res, 2.4) == [2.4]  # nothing above the last swept rate
+
+
+def test_ablation_table_shows_each_seeds_stall_free_share():
+    s = {"count": 10, "errors": 0, "ttfa_p50_s": 0.2, "ttfa_p90_s": 0.5, "ttfa_p99_s": 0.9,
+         "on_time_chunk_pct": 97.5, "stall_free_pct": 80.0, "x_real_time": 1.5}
+    table = suite.ablation_table({"online @ 0.8 req/s": s},
+                                 {"online @ 0.8 req/s": [dict(s, stall_free_pct=70.0), dict(s, stall_free_pct=90.0)]})
+    lines = table.splitlines()
+    assert lines[0].endswith("stall-free % per seed |") and lines[2].endswith("| 1.50 | 70.0, 90.0 |")
