@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from voxbackend.tools.checkpoint_cache import build_once, cache_root
 
 ORPHEUS_VOCAB = 156940
 BOS_ID, EOT_ID = 128000, 128009
@@ -174,30 +173,10 @@ def write_default(out_dir: str | Path, seed: int = 0, size: str = "tiny") -> tup
     return model_dir, codec_dir
 
 
-_COMPLETE = ".complete"
-
-
 def ensure_default_checkpoint(root: str | Path | None = None, size: str = "tiny") -> tuple[Path, Path]:
-    """(model_dir, codec_dir) under root; built once (tmp dir + atomic rename), reused afterwards."""
-    if root is None:
-        root = os.environ.get("VOXBACKEND_CACHE") or Path.home() / ".cache" / "voxbackend" / "default"
-    root = Path(root)
-    dirs = (root / "orpheus", root / "snac_24khz")
-    if (root / _COMPLETE).exists():
-        return dirs
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
-    try:
-        write_default(tmp, seed=0, size=size)
-        (tmp / _COMPLETE).write_text("ok\n")
-        try:
-            os.rename(tmp, root)  # atomic; fails if another process already put a full root in place
-        except OSError:
-            if not (root / _COMPLETE).exists():
-                raise RuntimeError(f"{root} exists but is not a complete checkpoint; delete it and retry")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dirs
+    """(model_dir, codec_dir) under root (default the cache root); built once, reused afterwards."""
+    root = build_once(cache_root() if root is None else root, lambda out: write_default(out, seed=0, size=size))
+    return root / "orpheus", root / "snac_24khz"
 
 
 def main(argv: list[str] | None = None) -> None:

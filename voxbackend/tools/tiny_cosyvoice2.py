@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from voxbackend.models.cosyvoice2 import QWEN_FOLDER, SPEECH_ROWS, SPEECH_TOKENS
+from voxbackend.tools.checkpoint_cache import build_once, cache_root
 from voxbackend.tools.tiny_checkpoint import _CORPUS
 from voxbackend.tools.tiny_cosyvoice2_codec import write_tiny_codec
 from voxbackend.tools.tiny_cosyvoice2_frontend import load_tiny_frontend
@@ -117,24 +115,8 @@ def write_tiny_cosyvoice2(out: str | Path, seed: int = 0) -> Path:
 def ensure_default_cosyvoice2(root: str | Path | None = None) -> tuple[Path, None]:
     """(model_dir, None): the tiny CosyVoice2 the `cosyvoice2` Triton models serve when no checkpoint is configured,
     built once into `<VOXBACKEND_CACHE>-cosyvoice2` through a temporary folder and an atomic rename."""
-    if root is None:
-        base = Path(os.environ.get("VOXBACKEND_CACHE") or Path.home() / ".cache" / "voxbackend" / "default")
-        root = base.with_name(base.name + "-cosyvoice2")
-    root = Path(root)
-    if not (root / ".complete").exists():
-        root.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
-        try:
-            write_tiny_cosyvoice2(tmp / "cosyvoice2", seed=0)
-            (tmp / ".complete").write_text("ok\n")
-            try:
-                os.rename(tmp, root)  # atomic; fails when another process already put a complete one there
-            except OSError:
-                if not (root / ".complete").exists():
-                    raise RuntimeError(f"{root} exists but is not a complete checkpoint; delete it and retry")
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return root / "cosyvoice2", None
+    root = cache_root("-cosyvoice2") if root is None else root
+    return build_once(root, lambda out: write_tiny_cosyvoice2(out / "cosyvoice2", seed=0)) / "cosyvoice2", None
 
 
 def main() -> None:

@@ -10,13 +10,12 @@ meets a near-tie that float rounding could flip between two implementations.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
+from voxbackend.tools.checkpoint_cache import build_once, cache_root
 from voxbackend.tools.tiny_checkpoint import _write_tokenizer
 from voxbackend.tools.tiny_mimi import write_tiny_mimi
 
@@ -70,24 +69,8 @@ def ensure_default_csm(root: str | Path | None = None) -> tuple[Path, None]:
     default, through a temporary folder and an atomic rename; reused afterwards. The Mimi codec is inside
     the checkpoint (codec_model.*), so there is no codec folder.
     """
-    if root is None:
-        base = Path(os.environ.get("VOXBACKEND_CACHE") or Path.home() / ".cache" / "voxbackend" / "default")
-        root = base.with_name(base.name + "-csm")
-    root = Path(root)
-    if not (root / ".complete").exists():
-        root.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
-        try:
-            write_tiny_csm(tmp / "csm", seed=0)
-            (tmp / ".complete").write_text("ok\n")
-            try:
-                os.rename(tmp, root)  # atomic; fails when another process already put a complete one there
-            except OSError:
-                if not (root / ".complete").exists():
-                    raise RuntimeError(f"{root} exists but is not a complete checkpoint; delete it and retry")
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return root / "csm", None
+    root = cache_root("-csm") if root is None else root
+    return build_once(root, lambda out: write_tiny_csm(out / "csm", seed=0)) / "csm", None
 
 
 def main() -> None:
