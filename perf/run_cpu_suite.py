@@ -93,6 +93,7 @@ class Settings:
     overhead_rounds: float = 2.5  # requests submitted = rounds * streams; the window ends at the last submit
     request_timeout: float = 180.0
     first_chunk_s: float = 0.0  # engine option: hold each stream's first audio until it is this long
+    skip: list[str] = field(default_factory=list)  # steps not run (e.g. a rerun of goodput + ablation alone)
     quick: bool = False
 
     @classmethod
@@ -405,7 +406,7 @@ class Suite:
         self.assets.mkdir(parents=True, exist_ok=True)
         self.work = Path(tempfile.mkdtemp(prefix="voxbackend-suite-"))
         self.sections: dict[str, str] = {}
-        self.timings: list[tuple[str, float, str]] = []
+        self.timings: list[tuple[str, float, str, str]] = []  # name, seconds, status, load average at its end
         self.data: dict = {}
         self.t0 = time.time()
         self.prompts = load_prompts(HERE / "data" / "prompts.txt")
@@ -414,6 +415,9 @@ class Suite:
         print(f"[{time.time() - self.t0:6.0f} s] {msg}", flush=True)
 
     def step(self, name: str, fn) -> None:
+        if name in self.st.skip:
+            self.timings.append((name, 0.0, "skipped (--skip)", "-"))
+            return
         self.log(f"== {name}")
         t = time.time()
         try:
@@ -422,7 +426,8 @@ class Suite:
         except Exception as e:  # noqa: BLE001 - record and go on: one broken step must not lose the others
             status = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
             self.log(traceback.format_exc())
-        self.timings.append((name, time.time() - t, status))
+        # the machine is shared: the load while a step ran says how far its numbers can be trusted
+        self.timings.append((name, time.time() - t, status, provenance.load_average()))
         self.log(f"== {name}: {status} ({time.time() - t:.0f} s)")
         self.write()  # keep a partial results file after every step
 
@@ -600,8 +605,8 @@ class Suite:
                  f"- settings: {json.dumps(st.__dict__)}",
                  f"- command: `{' '.join([Path(sys.executable).name, *sys.argv])}`",
                  f"- suite wall time: {time.time() - self.t0:.0f} s"]
-        timing = ["| step | seconds | status |", "|---|---|---|"] + [
-            f"| {n} | {t:.0f} | {s} |" for n, t, s in self.timings]
+        timing = ["| step | seconds | status | load average at its end (1, 5, 15 min) |", "|---|---|---|---|"] + [
+            f"| {n} | {t:.0f} | {s} | {load} |" for n, t, s, load in self.timings]
         body = [f"# CPU perf suite: {self.md_path.stem}", "",
                 f"Goodput targets: {goodput_label(st.ttfa_p90, st.stall_free)} (docs/metrics.md).", "",
                 "## Provenance", "", *prov, "", DEFINITIONS, ""]
@@ -631,6 +636,9 @@ class Suite:
         return self.md_path
 
 
+SKIPPABLE = ("sizing", "perf_analyzer", "goodput", "ablation", "overhead")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: every step, small loads (numbers meaningless)")
@@ -643,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overhead-sizes", default=None, help="comma-separated, default tiny,bench")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--first-chunk-s", type=float, default=None, help="engine first_chunk_s for the served engines")
+    ap.add_argument("--skip", default="", help="comma-separated steps not to run: sizing, perf_analyzer, goodput, "
+                    "ablation, overhead")
     ap.add_argument("--out-dir", default=str(HERE / "results"))
     a = ap.parse_args(argv)
     st = Settings.quick_settings() if a.quick else Settings()
@@ -653,6 +663,10 @@ def main(argv: list[str] | None = None) -> int:
         st.rates = [float(x) for x in a.rates.split(",")]
     if a.overhead_sizes:
         st.overhead_sizes = a.overhead_sizes.split(",")
+    st.skip = [x for x in a.skip.split(",") if x]
+    unknown = set(st.skip) - set(SKIPPABLE)
+    if unknown:
+        ap.error(f"--skip: unknown steps {sorted(unknown)}; steps: {', '.join(SKIPPABLE)}")
     Suite(st, Path(a.out_dir)).run()
     return 0
 
