@@ -160,6 +160,20 @@ def upstream_qwen2lm(folder: Path, sampling=None):
     return model.eval()
 
 
+@contextlib.contextmanager
+def legacy_cache_indexing():
+    """Upstream inference_bistream reads the KV length as `cache[0][0].size(2)` (transformers 4's tuple form);
+    transformers 5's DynamicCache has no indexing. This gives it (keys, values) of a layer while the oracle runs."""
+    from transformers.cache_utils import DynamicCache
+
+    assert not hasattr(DynamicCache, "__getitem__")
+    DynamicCache.__getitem__ = lambda self, i: (self.layers[i].keys, self.layers[i].values)
+    try:
+        yield
+    finally:
+        del DynamicCache.__getitem__
+
+
 def upstream_ras_sampling():
     """cosyvoice2.yaml's sampling: ras_sampling with top_p 0.8, top_k 25, win_size 10, tau_r 0.1."""
     import functools
