@@ -32,15 +32,20 @@ TEXTS = ["Hello there, how are you doing today? The quick brown fox jumps over t
          "Good morning! Good evening!"]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    base = write_tiny_cosyvoice2(tmp_path_factory.mktemp("tiny_cosyvoice2"), seed=0)
-    folder = tmp_path_factory.mktemp("bistream") / "cosyvoice2"
+def write_bistream_checkpoint(root):
+    """The tiny checkpoint with the fill token's bias raised to FILL_BIAS, in root / "cosyvoice2"."""
+    base = write_tiny_cosyvoice2(root / "base", seed=0)
+    folder = root / "cosyvoice2"
     shutil.copytree(base, folder)
     state = torch.load(folder / "llm.pt", weights_only=True)
     state["llm_decoder.bias"][SPEECH_TOKENS + 2] = FILL_BIAS
     torch.save(state, folder / "llm.pt")
     return folder
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_bistream_checkpoint(tmp_path_factory.mktemp("bistream"))
 
 
 @pytest.fixture(scope="module")
