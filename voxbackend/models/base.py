@@ -4,7 +4,9 @@ A model file declares a `ModelSpec` and implements `SpeechModel`. The engine and
 interface, so a new SpeechLM plugs in without touching them: one token per step (Orpheus, CosyVoice2,
 Chatterbox) or several codebook columns plus a depth transformer (CSM, Qwen3-TTS; a delay pattern like Zonos is
 a column layout). A dual-track model (Qwen3-TTS) makes each next backbone input from the sampled step plus
-per-request state (the next text token): `split_prompt` / `next_input` / `extend_track`. Speech-to-speech models
+per-request state (the next text token): `split_prompt` / `next_input` / `extend_track`; a track may also feed
+several positions after a step, hold the first sample, and set per-request logit rules and stops (CosyVoice2's
+bistream: `next_inputs`, `waits_for_input`, `constrain_logits`, `ends`). Speech-to-speech models
 (GLM-4-Voice, Step-Audio-2) will need one more hook: per-position audio-encoder features in the prompt; it is not
 part of the contract yet.
 """
