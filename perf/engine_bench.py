@@ -432,10 +432,11 @@ def internals_lines(title: str, internals: dict[str, tuple[float, int]], wall: f
 def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__, epilog=METHOD,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="orpheus", choices=["orpheus", "csm", "qwen3_tts"],
+    ap.add_argument("--model", default="orpheus", choices=["orpheus", "csm", "qwen3_tts", "cosyvoice2"],
                     help="csm: perf/csm_bench.py (tiny CSM vs transformers generate + Mimi); qwen3_tts: "
                          "perf/qwen3_tts_bench.py (tiny Qwen3-TTS vs the reference generate + decode); for both "
-                         "--max-tokens = frames")
+                         "--max-tokens = frames; cosyvoice2: perf/cosyvoice2_bench.py (tiny CosyVoice2 vs the "
+                         "upstream LM + tts(stream=False)), --max-tokens caps its 25 Hz speech tokens")
     ap.add_argument("--size", default="bench", choices=["bench", "tiny", "quick"],
                     help="checkpoint size: voxbackend.tools.tiny_checkpoint SIZES, or 'quick' (smoke test)")
     ap.add_argument("--streams", default="1,8,32", help="comma-separated concurrent stream counts")
@@ -469,6 +470,8 @@ def parse_args(argv: list[str] | None):
         args.single_rounds = 1 if args.single_rounds == 3 else args.single_rounds
     if args.model in ("csm", "qwen3_tts"):  # frames of 80 ms: ~3 s (the Orpheus default's audio), ~1 s quick
         args.max_tokens = {256: 38, 42: 12}.get(args.max_tokens, args.max_tokens)
+    if args.model == "cosyvoice2":  # 25 Hz tokens: the reference's own length rules, capped at ~6 s (~1.2 s quick)
+        args.max_tokens = {256: 150, 42: 30}.get(args.max_tokens, args.max_tokens)
     args.stream_counts = sorted({int(s) for s in str(args.streams).split(",") if s.strip()})
     if not args.stream_counts or min(args.stream_counts) < 1:
         ap.error("--streams needs positive integers")
@@ -491,6 +494,10 @@ def main(argv: list[str] | None = None) -> Path:
         import qwen3_tts_bench  # perf/qwen3_tts_bench.py
 
         return qwen3_tts_bench.run(args, *load_prompts(args.prompts), log)
+    if args.model == "cosyvoice2":
+        import cosyvoice2_bench  # perf/cosyvoice2_bench.py
+
+        return cosyvoice2_bench.run(args, *load_prompts(args.prompts), log)
     if args.ab_base is not None:
         return run_ab(args, argv)
     run_started = time.perf_counter()

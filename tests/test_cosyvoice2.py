@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice_oracle import load_cosyvoice, load_cosyvoice_llm
+from cosyvoice_oracle import upstream_cosyvoice2_model, upstream_qwen2lm
 from voxbackend.engine.detokenize import window_seed
 from voxbackend.errors import InvalidRequest
 from voxbackend.models.base import Prompt
@@ -65,20 +65,9 @@ def endless(ckpt, tmp_path_factory):
 
 
 def upstream_lm(ckpt):
-    """Upstream Qwen2LM on transformers' Qwen2ForCausalLM, llm.pt loaded strictly; argmax instead of sampling
-    (the end id excluded while upstream would reject it, i.e. before min_len)."""
-    import json
-
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    llm = load_cosyvoice_llm()
-    config = Qwen2Config(**json.loads((ckpt / "CosyVoice-BlankEN" / "config.json").read_text()))
-    encoder = llm.Qwen2Encoder.__new__(llm.Qwen2Encoder)
-    torch.nn.Module.__init__(encoder)
-    with torch.random.fork_rng():
-        encoder.model = Qwen2ForCausalLM(config)
-    model = llm.Qwen2LM(config.hidden_size, config.hidden_size, SPEECH_TOKENS, encoder, sampling=None)
-    model.load_state_dict(torch.load(ckpt / "llm.pt", weights_only=True), strict=True)
+    """Upstream Qwen2LM, llm.pt loaded strictly; argmax instead of sampling (the end id excluded while upstream
+    would reject it, i.e. before min_len)."""
+    model = upstream_qwen2lm(ckpt)
 
     def argmax(scores, decoded, sampling, ignore_eos=True):
         scores = scores.clone()
@@ -87,17 +76,7 @@ def upstream_lm(ckpt):
         return scores.argmax()[None]
 
     model.sampling_ids = argmax
-    step = encoder.forward_one_step
-
-    def forward_one_step(xs, masks, cache=None):
-        # Upstream passes a causal mask only as long as the new positions. transformers 4.x, which upstream
-        # targets, drops an all-ones mask under SDPA (attend to the whole cache); transformers 5 reads it as
-        # covering the last positions only. Its last row is all ones: give it as long as cache + new positions.
-        past = cache.get_seq_length() if cache is not None else 0
-        return step(xs, torch.ones(1, 1, past + xs.shape[1], dtype=torch.bool), cache)
-
-    encoder.forward_one_step = forward_one_step
-    return model.eval()
+    return model
 
 
 def reference_tokens(model, text_ids, prompt_text_ids, prompt_speech) -> list[int]:
@@ -177,14 +156,7 @@ def test_greedy_tokens_batched_with_staggered_arrivals_equal_upstream(engine, vo
 
 @pytest.fixture(scope="module")
 def upstream_pipeline(ckpt, engine):
-    from test_cosyvoice2_codec import upstream_modules
-
-    cv = load_cosyvoice()
-    with torch.random.fork_rng():
-        flow, hift = upstream_modules(cv, engine.model.codec.cfg)
-    model = cv.model.CosyVoice2Model(None, flow, hift, fp16=False)
-    model.load(None, str(ckpt / "flow.pt"), str(ckpt / "hift.pt"))
-    return model
+    return upstream_cosyvoice2_model(ckpt, engine.model.codec.cfg)
 
 
 def test_synthesize_equals_upstream_lm_then_upstream_streaming(engine, voice, reference_lm, upstream_pipeline):

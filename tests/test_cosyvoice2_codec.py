@@ -16,7 +16,7 @@ import contextlib
 import pytest
 import torch
 
-from cosyvoice_oracle import load_cosyvoice, load_flashcosyvoice
+from cosyvoice_oracle import load_flashcosyvoice, upstream_cosyvoice2_model
 from voxbackend.codecs.flow_matching import FlowRow
 from voxbackend.codecs.token2wav import Token2Wav, load_token2wav
 from voxbackend.errors import InvalidRequest
@@ -38,50 +38,9 @@ def ours(ckpt) -> Token2Wav:
     return load_token2wav(ckpt)
 
 
-def upstream_modules(cv, cfg):
-    """The upstream flow and HiFT built from our config, the way cosyvoice2.yaml builds them."""
-    from omegaconf import DictConfig
-    enc, est, h = cfg.flow.encoder, cfg.flow.estimator, cfg.hift
-    encoder = cv.encoder.UpsampleConformerEncoder(
-        input_size=enc.size, output_size=enc.size, attention_heads=enc.heads, linear_units=enc.linear_units,
-        num_blocks=enc.num_blocks, dropout_rate=0.1, positional_dropout_rate=0.1, attention_dropout_rate=0.1,
-        normalize_before=True, input_layer="linear", pos_enc_layer_type="rel_pos_espnet",
-        selfattention_layer_type="rel_selfattn", use_cnn_module=False, macaron_style=False,
-        static_chunk_size=enc.chunk_size)
-    estimator = cv.decoder.CausalConditionalDecoder(
-        in_channels=est.in_channels, out_channels=est.out_channels, channels=list(est.channels), dropout=0.0,
-        attention_head_dim=est.attention_head_dim, n_blocks=est.n_blocks, num_mid_blocks=est.num_mid_blocks,
-        num_heads=est.num_heads, act_fn="gelu", static_chunk_size=est.chunk_size, num_decoding_left_chunks=-1)
-    cfm = cv.flow_matching.CausalConditionalCFM(
-        in_channels=240, n_spks=1, spk_emb_dim=80, estimator=estimator,
-        cfm_params=DictConfig({"sigma_min": 1e-06, "solver": "euler", "t_scheduler": "cosine",
-                               "training_cfg_rate": 0.2, "inference_cfg_rate": cfg.flow.cfg_rate, "reg_loss_type": "l1"}))
-    flow = cv.flow.CausalMaskedDiffWithXvec(
-        input_size=enc.size, output_size=cfg.flow.mel_bins, spk_embed_dim=cfg.flow.spk_embed_dim, output_type="mel",
-        vocab_size=cfg.flow.vocab_size, input_frame_rate=25, only_mask_loss=True, token_mel_ratio=enc.upsample,
-        pre_lookahead_len=enc.pre_lookahead_len, encoder=encoder, decoder=cfm)
-    hift = cv.hift.HiFTGenerator(
-        in_channels=h.mel_bins, base_channels=h.base_channels, nb_harmonics=h.nb_harmonics,
-        sampling_rate=h.sampling_rate, nsf_alpha=h.nsf_alpha, nsf_sigma=h.nsf_sigma,
-        nsf_voiced_threshold=h.nsf_voiced_threshold, upsample_rates=list(h.upsample_rates),
-        upsample_kernel_sizes=list(h.upsample_kernel_sizes), istft_params={"n_fft": h.n_fft, "hop_len": h.hop_len},
-        resblock_kernel_sizes=list(h.resblock_kernel_sizes),
-        resblock_dilation_sizes=[list(d) for d in h.resblock_dilation_sizes],
-        source_resblock_kernel_sizes=list(h.source_resblock_kernel_sizes),
-        source_resblock_dilation_sizes=[list(d) for d in h.source_resblock_dilation_sizes],
-        lrelu_slope=h.lrelu_slope, audio_limit=h.audio_limit,
-        f0_predictor=cv.f0.ConvRNNF0Predictor(num_class=1, in_channels=h.mel_bins, cond_channels=h.f0_channels))
-    return flow, hift
-
-
 @pytest.fixture(scope="module")
 def upstream(ckpt, ours):
-    cv = load_cosyvoice()
-    with torch.random.fork_rng():
-        flow, hift = upstream_modules(cv, ours.cfg)
-    model = cv.model.CosyVoice2Model(None, flow, hift, fp16=False)
-    model.load(None, str(ckpt / "flow.pt"), str(ckpt / "hift.pt"))   # strict=True: our names are theirs
-    return model
+    return upstream_cosyvoice2_model(ckpt, ours.cfg)
 
 
 def make_request(seed: int, prompt_len: int, n_tokens: int, vocab: int):

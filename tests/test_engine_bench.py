@@ -97,3 +97,26 @@ def test_qwen3_tts_quick_run_writes_a_results_table(tmp_path):
         assert key in text, key
     ratios = [float(x.split()[-1].rstrip("x")) for x in text.split("Ratio engine/naive (x real time):")[1].split(",")]
     assert len(ratios) == 2 and all(r > 0 for r in ratios)
+
+
+def test_cosyvoice2_quick_run_writes_a_results_table(tmp_path):
+    out = tmp_path / "cosyvoice2.md"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--model", "cosyvoice2", "--quick", "--cache-dir", str(tmp_path / "cache"),
+         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in text.splitlines() if ln.startswith("| ")]
+    systems = {tuple(r[:2]) for r in rows}
+    assert {(n, s) for n in ("1", "4") for s in ("engine", "naive", "naive stream=True")} <= systems
+    for r in rows[1:]:  # every system served audio, within the 30-token cap
+        assert float(r[2]) > 0 and float(r[6]) > 0 and 0 < float(r[5]) <= 30, r
+    for key in ("- commit:", "- cpu:", "random weights", "- dataset:", "capped at 30 tokens",
+                "CosyVoice2Model.tts(stream=False)", "flow"):
+        assert key in text, key
+    for label in ("Ratio engine/naive (x real time):", "Ratio engine/naive stream=True (x real time):"):
+        line = next(ln for ln in text.splitlines() if ln.startswith(label))
+        ratios = [float(x.split()[-1].rstrip("x")) for x in line.split(":", 1)[1].split(",")]
+        assert len(ratios) == 2 and all(r > 0 for r in ratios)

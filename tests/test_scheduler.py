@@ -11,6 +11,7 @@ def _req(rid: str, arrival: float, *, playing_since=None, audio_s=0.0, prompt=4,
     r = Request(rid, list(range(prompt)), SamplingParams(seed=1), lambda e: None, arrival, streaming=streaming)
     r.num_cached = cached
     r.output_ids = [1] if cached >= prompt else []  # decoding: one step sampled, its input not cached yet
+    r.input_rows = list(r.output_ids)  # the positions after the prompt: that step's input
     if playing_since is not None:
         r.first_chunk_at, r.audio_sent_s, r.last_chunk_s = playing_since, audio_s, 0.1
     return r

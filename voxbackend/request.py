@@ -18,8 +18,9 @@ class Request:
     streaming: bool = True  # False: a batch job with no listener; never "pressing" by playback
     conditioning: dict[str, Any] = field(default_factory=dict)  # the Prompt's arrays, for new_codec_state
     output_ids: list = field(default_factory=list)  # generated steps: ids, or rows for token_columns > 1
-    # the backbone inputs that followed each generated step (the model's next_input; a preempted request
-    # recomputes exactly these); one behind output_ids while the model waits for more input (awaiting_input)
+    # the positions after the prompt: what followed each generated step (the model's next_inputs, one or more
+    # per step; a preempted request recomputes exactly these); while the model waits for more input
+    # (awaiting_input) the last step's are not in yet, or, for a track that waits at submission, none are
     input_rows: list = field(default_factory=list)
     awaiting_input: bool = False
     track: Any = None  # the model's per-request input state (dual-track text), from split_prompt
@@ -45,7 +46,7 @@ class Request:
     def num_positions(self) -> int:
         """The sequence so far: prompt and the inputs of generated steps (the last one's keys/values are not cached
         yet)."""
-        return len(self.prompt_ids) + len(self.output_ids) - self.awaiting_input
+        return len(self.prompt_ids) + len(self.input_rows)
 
     @property
     def uncached(self) -> int:

@@ -112,7 +112,7 @@ class Engine:
             )
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(rid, prompt, params, on_event or (lambda e: None), self.clock(), streaming=streaming,
-                      track=track, conditioning=conditioning)
+                      track=track, conditioning=conditioning, awaiting_input=self.model.waits_for_input(track))
         with self._lock:
             if len(self.waiting) + len(self._inbox) >= self.config.max_queue:
                 raise EngineOverloaded(f"overloaded: {self.config.max_queue} requests already queued; retry later")
@@ -386,7 +386,7 @@ class Engine:
         for r, step in self.runner.run(plan):  # the step's one host transfer is behind us
             r.output_ids.append(step)
             r.codes.extend(self.model.codes_from_step(step, len(r.codes)))
-            if self.model.is_stop(step):
+            if self.model.ends(step, r.track):
                 self._lm_finished(r, "stop")
             elif len(r.output_ids) >= r.sampling.max_tokens:
                 self._lm_finished(r, "length")
@@ -395,11 +395,11 @@ class Engine:
                 self._feed(r)
 
     def _feed(self, r: Request) -> None:
-        """The backbone input after the last sampled step, from the model (the step itself, or the step plus the
-        next text id); a track still waiting for text leaves the request off the LM until append_text."""
-        row = self.model.next_input(r.output_ids[-1], r.track)
-        if row is not None:
-            r.input_rows.append(row)
+        """The positions after the last sampled step, from the model (the step itself, the step plus the next text
+        id, or several); a track still waiting for text leaves the request off the LM until append_text."""
+        rows = self.model.next_inputs(r.output_ids[-1] if r.output_ids else None, r.track)
+        if rows is not None:
+            r.input_rows.extend(rows)
             r.awaiting_input = False
 
     def _lm_finished(self, r: Request, reason: str) -> None:

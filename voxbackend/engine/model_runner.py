@@ -60,6 +60,7 @@ class ModelRunner:
         if any(early) and self.model.spec.stop_ids:  # no stop before min_tokens
             logits = mask_ids(logits, token_ids, torch.tensor(self.model.spec.stop_ids, device=dev),
                               torch.tensor(early, device=dev))
+        logits = self.model.constrain_logits(logits, token_ids, [r.track for r in sampled])
         batch = self._sampling_batch(sampled)
         steps = sample(logits, batch, token_ids)
         if self.model.spec.has_depth:  # the rest of each step's columns, all rows at once, on the device

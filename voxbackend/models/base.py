@@ -4,7 +4,9 @@ A model file declares a `ModelSpec` and implements `SpeechModel`. The engine and
 interface, so a new SpeechLM plugs in without touching them: one token per step (Orpheus, CosyVoice2,
 Chatterbox) or several codebook columns plus a depth transformer (CSM, Qwen3-TTS; a delay pattern like Zonos is
 a column layout). A dual-track model (Qwen3-TTS) makes each next backbone input from the sampled step plus
-per-request state (the next text token): `split_prompt` / `next_input` / `extend_track`. Speech-to-speech models
+per-request state (the next text token): `split_prompt` / `next_input` / `extend_track`; a track may also feed
+several positions after a step, hold the first sample, and set per-request logit rules and stops (CosyVoice2's
+bistream: `next_inputs`, `waits_for_input`, `constrain_logits`, `ends`). Speech-to-speech models
 (GLM-4-Voice, Step-Audio-2) will need one more hook: per-position audio-encoder features in the prompt; it is not
 part of the contract yet.
 """
@@ -148,6 +150,24 @@ class SpeechModel:
         By default the step itself (Orpheus, CSM)."""
         return step
 
+    def next_inputs(self, step: int | list[int] | None, track: Any) -> list | None:
+        """The positions that follow a sampled step (step None: before the first one, for a track that waited at
+        submission); None while the track waits for input. By default the one position of `next_input`. A model
+        that feeds several positions after a step (CosyVoice2's bistream: 5 text tokens after a fill token, which
+        is not fed itself) overrides this. Called again with the same step after the track was extended."""
+        row = self.next_input(step, track)
+        return None if row is None else [row]
+
+    def waits_for_input(self, track: Any) -> bool:
+        """Whether a request submitted with this track must wait for input (Engine.append_text) before its first
+        sample, its prompt positions prefilled meanwhile."""
+        return False
+
+    def constrain_logits(self, logits: torch.Tensor, token_ids: torch.Tensor | None, tracks: list) -> torch.Tensor:
+        """The candidate logits [B, C] of this step's sampled rows, with per-request rules that depend on the
+        track applied (ids to exclude or to force); `tracks` is each row's. By default unchanged."""
+        return logits
+
     def extend_track(self, track: Any, ids: list[int], final: bool) -> None:
         """Append queued ids (streamed text) to a request's track; `final` closes it."""
         raise InvalidRequest(f"{self.spec.name} does not take text after submission", field="text")
@@ -211,6 +231,10 @@ class SpeechModel:
     def is_stop(self, step: int | list[int]) -> bool:
         """Whether a generated step (an id, or a row for token_columns > 1) ends the utterance."""
         return step in self.spec.stop_ids
+
+    def ends(self, step: int | list[int], track: Any) -> bool:
+        """is_stop for a request with this track (a track may make a stop id an ordinary step)."""
+        return self.is_stop(step)
 
     def codes_from_step(self, step: int | list[int], codes_so_far: int) -> list[int]:
         """The codec codes one generated step contributes (empty for text, control or stop tokens)."""

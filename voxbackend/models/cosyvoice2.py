@@ -13,7 +13,8 @@ Here all of it lives in one engine id space: text ids [0, T), speech ids at T + 
 the task id at T + 6565 (T: the Qwen vocabulary), embedded by `forward`; the head's candidates are the speech
 ids. The voice (prompt speech tokens, prompt mel, speaker embedding) comes from the voice-cloning front end in
 `prepare` and reaches the detokenizer as the request's conditioning arrays. Text input streaming (the
-reference's bistream mode) is not served: `prepare` takes the whole text.
+reference's bistream mode, models/cosyvoice2_bistream.py): `prepare(text, text_open=True)` starts a request
+whose track takes the rest of the text through `Engine.append_text`.
 
 Checkpoint: the official folder (see docs/cosyvoice2.md): llm.pt (or llm.safetensors) with upstream names,
 CosyVoice-BlankEN/config.json + tokenizer.json for the Qwen2 backbone and its tokenizer, flow.pt + hift.pt for
@@ -34,6 +35,7 @@ from tokenizers import Tokenizer
 from voxbackend.codecs.token2wav import Token2WavConfig, load_token2wav
 from voxbackend.errors import InvalidRequest
 from voxbackend.models.base import LMGeometry, ModelSpec, Prompt, SpeechModel, WindowJob, WindowSpec
+from voxbackend.models.cosyvoice2_bistream import Bistream, BistreamTrack
 from voxbackend.models.cosyvoice2_frontend import (VOICES_DIR, CosyVoice2Frontend as VoiceFrontend, VoicePrompt,
                                                    load_cosyvoice2_frontend)
 from voxbackend.models.decoder import DecoderConfig, build_decoder
@@ -49,6 +51,7 @@ QWEN_FOLDER = "CosyVoice-BlankEN"
 MAX_TEXT_CHARS = 4000
 # the flow's noise buffer holds 300 s (7500 tokens) of prompt + speech; a 30 s voice prompt takes 750
 MAX_TOKENS = 6000
+MAX_STREAMED_TEXT_IDS = 2000  # bistream: text ids one utterance may add up to (room kept for them in the context)
 
 
 def is_cosyvoice2_folder(folder: Path) -> bool:
@@ -68,6 +71,9 @@ def load_state(folder: Path, name: str) -> dict[str, torch.Tensor]:
 
 class CosyVoice2Frontend(SpeechModel):
     """Tokenizer, prompt rules, voices and spec without LM or detokenizer weights: the preprocess model's side."""
+
+    text_streaming = True
+    max_text_chars = MAX_TEXT_CHARS
 
     request_inputs = (
         TensorSpec("VOICE", "STRING", optional=True, arg="voice",
@@ -113,6 +119,7 @@ class CosyVoice2Frontend(SpeechModel):
             stop_ids=tuple(self.speech_base + SPEECH_TOKENS + i for i in range(3)),
             max_tokens=MAX_TOKENS,
         )
+        self.bistream = Bistream(sos=self.sos_id, task=self.task_id, fill=self.speech_base + SPEECH_TOKENS + 2)
         self.voices_dir = self.model_dir / VOICES_DIR
         self.voices = tuple(sorted(p.stem for p in self.voices_dir.glob("*.safetensors")))
         self._cloner: VoiceFrontend | None = None
@@ -143,10 +150,10 @@ class CosyVoice2Frontend(SpeechModel):
 
     # ---------------------------------------------------------------- preprocessing
     def prepare(self, text: str, voice: str | None = None, reference_audio: bytes | None = None,
-                reference_text: str | None = None) -> Prompt:
+                reference_text: str | None = None, *, text_open: bool = False) -> Prompt:
         if not isinstance(text, str):
             raise InvalidRequest(f"text must be a string, got {type(text).__name__}", field="text")
-        if not text.strip():
+        if not text.strip() and not text_open:
             raise InvalidRequest("text is empty", field="text")
         if len(text) > MAX_TEXT_CHARS:
             raise InvalidRequest(f"text is {len(text)} characters; the limit is {MAX_TEXT_CHARS}", field="text")
@@ -154,8 +161,8 @@ class CosyVoice2Frontend(SpeechModel):
         text_ids = self.text_tokenizer.encode(text)
         prompt_text_ids = self.text_tokenizer.encode(prompt.transcript)
         speech = prompt.speech_tokens.to(torch.int64).tolist()
-        return self.build_prompt(text_ids, prompt_text_ids, speech, prompt.speech_feat.numpy(),
-                                 prompt.embedding.numpy())
+        build = self.build_bistream_prompt if text_open else self.build_prompt
+        return build(text_ids, prompt_text_ids, speech, prompt.speech_feat.numpy(), prompt.embedding.numpy())
 
     def build_prompt(self, text_ids: list[int], prompt_text_ids: list[int], prompt_speech: list[int],
                      prompt_feat: np.ndarray, embedding: np.ndarray) -> Prompt:
@@ -174,6 +181,67 @@ class CosyVoice2Frontend(SpeechModel):
                         "speaker_embedding": np.asarray(embedding, dtype=np.float32).reshape(-1)}
         return Prompt(ids, conditioning, min_tokens=int(len(text_ids) * MIN_TOKEN_TEXT_RATIO),
                       max_tokens=min(max_tokens, room))
+
+    def build_bistream_prompt(self, text_ids: list[int], prompt_text_ids: list[int], prompt_speech: list[int],
+                              prompt_feat: np.ndarray, embedding: np.ndarray) -> Prompt:
+        """The first piece of a streamed text: `[sos, transcript + piece, prompt speech]`, which split_prompt turns
+        into the bistream track (Engine.submit(..., text_open=True)). Upstream has no length rules here: the
+        budget is what the context leaves after room for the streamed text."""
+        ids = [self.sos_id, *prompt_text_ids, *text_ids, *(self.speech_base + t for t in prompt_speech)]
+        room = self.spec.geometry.max_context - len(ids) - MAX_STREAMED_TEXT_IDS - 1
+        if room < 1:
+            raise InvalidRequest(f"prompt is {len(ids)} tokens; the model's context is "
+                                 f"{self.spec.geometry.max_context}", field="text")
+        conditioning = {"prompt_speech_tokens": np.asarray(prompt_speech, dtype=np.int32),
+                        "prompt_feat": np.asarray(prompt_feat, dtype=np.float32),
+                        "speaker_embedding": np.asarray(embedding, dtype=np.float32).reshape(-1)}
+        return Prompt(ids, conditioning, max_tokens=min(MAX_TOKENS, room))
+
+    # ---------------------------------------------------------------- text streaming (engine thread)
+    def text_piece_ids(self, text: str) -> list[int]:
+        return self.text_tokenizer.encode(text)
+
+    def check_track_ids(self, ids) -> list[int]:
+        try:
+            ids = [int(i) for i in ids]
+        except (TypeError, ValueError):
+            raise InvalidRequest("text ids must be integers", field="text") from None
+        if any(not 0 <= i < self.text_vocab for i in ids):
+            raise InvalidRequest(f"text ids must be in [0, {self.text_vocab})", field="text")
+        return ids
+
+    def split_prompt(self, prompt: list, text_open: bool) -> tuple[list, BistreamTrack | None]:
+        if not text_open:
+            return prompt, None
+        speech = [i for i in prompt[1:] if i >= self.speech_base]
+        text = prompt[1:len(prompt) - len(speech)]
+        if (not prompt or prompt[0] != self.sos_id or any(not 0 <= i < self.text_vocab for i in text)
+                or any(not 0 <= i - self.speech_base < SPEECH_TOKENS for i in speech)):
+            raise InvalidRequest("a streamed-text prompt is [sos, text ids, prompt speech ids] "
+                                 "(build_bistream_prompt)", field="prompt_ids")
+        if len(text) > MAX_STREAMED_TEXT_IDS:
+            raise InvalidRequest(f"text is {len(text)} tokens; a streamed text may have {MAX_STREAMED_TEXT_IDS}",
+                                 field="text")
+        return self.bistream.start(text, speech, open=True)
+
+    def extend_track(self, track: BistreamTrack | None, ids: list[int], final: bool) -> None:
+        if track is None:
+            raise InvalidRequest("this request was not submitted with text_open", field="text")
+        if not track.open:
+            raise InvalidRequest("the request's text is already closed", field="text")
+        if track.text_ids + len(ids) > MAX_STREAMED_TEXT_IDS:
+            raise InvalidRequest(f"the streamed text exceeds {MAX_STREAMED_TEXT_IDS} tokens", field="text")
+        self.bistream.extend(track, ids, final)
+
+    def waits_for_input(self, track: BistreamTrack | None) -> bool:
+        return track is not None and track.waiting
+
+    def next_inputs(self, step: int | None, track: BistreamTrack | None) -> list[int] | None:
+        return [step] if track is None else self.bistream.next_inputs(step, track)
+
+    def ends(self, step: int, track: BistreamTrack | None) -> bool:
+        # while the text streams the end ids are excluded and the fill is an ordinary step (constrain_logits)
+        return self.is_stop(step) if track is None or track.final else False
 
     def check_conditioning(self, conditioning: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = super().check_conditioning(conditioning)
@@ -221,6 +289,24 @@ class CosyVoice2(CosyVoice2Frontend):
     def candidate_logits(self, hidden: torch.Tensor, codes_so_far: list[int]):
         logits = F.linear(hidden, self.head_weight, self.head_bias).float()
         return logits, self._speech_ids.expand(len(hidden), -1)
+
+    def constrain_logits(self, logits: torch.Tensor, token_ids, tracks: list) -> torch.Tensor:
+        """Bistream rows: before the text ends no end id (nor the unused id after it) and the fill forced when due;
+        after it no fill (upstream raises on one there) nor the unused id: generation runs to the end id."""
+        streamed = [(i, t) for i, t in enumerate(tracks) if t is not None]
+        if not streamed:
+            return logits
+        logits = logits.clone()
+        end = SPEECH_TOKENS  # candidate columns are the speech ids in order
+        for i, track in streamed:
+            if track.final:
+                logits[i, end + 1:end + 3] = float("-inf")
+            elif self.bistream.forced_fill(track):
+                logits[i] = float("-inf")
+                logits[i, end + 2] = 0.0
+            else:
+                logits[i, end:end + 2] = float("-inf")
+        return logits
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = torch.full((len(hidden), self.spec.geometry.vocab_size), float("-inf"), device=hidden.device)
