@@ -7,6 +7,10 @@ Speaker encoder: our log mel equals the reference `mel_spectrogram` (its librosa
 transformers' own Slaney `mel_filter_bank`, an implementation independent of ours) and our ECAPA-TDNN x-vector
 equals `extract_speaker_embedding` on the tiny random weights within 1e-5 (measured: bit-identical, the same ops in
 the same order; the embeddings spread over tens of units, std about 15, so the bound is tight).
+
+Reference codes: our Qwen3TTSEncoder (the Mimi encoder loaded from the speech tokenizer) gives exactly the codes of
+the reference tokenizer wrapper's `encode` (feature extractor + `Qwen3TTSTokenizerV2Model.encode`), for partial
+last frames and for a clip past Mimi's 250-step (10 s) window, where the reference attends to the whole clip.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import torch
 from qwen_tts_oracle import import_qwen_tts, reference_model, reference_tokenizer
 from voxbackend.codecs.ecapa_tdnn import EcapaTdnn
 from voxbackend.codecs.mel_features import slaney_mel_filters, speaker_mel
+from voxbackend.codecs.qwen3_tts_encoder import Qwen3TTSEncoder
 from voxbackend.tools.tiny_qwen3_tts import write_tiny_qwen3_tts
 
 TOL = 1e-5
@@ -155,3 +160,46 @@ def test_speaker_encoder_refuses_what_it_cannot_embed(ecapa, base, tmp_path):
     cv = write_tiny_qwen3_tts(tmp_path / "cv", variant="custom_voice")
     with pytest.raises(ValueError, match="not a Qwen3-TTS Base"):
         EcapaTdnn.from_checkpoint(cv)
+
+
+# ---------------------------------------------------------------- reference codes
+
+
+@pytest.fixture(scope="module")
+def encoder(base):
+    return Qwen3TTSEncoder.from_pretrained(base)  # the checkpoint folder: finds speech_tokenizer/
+
+
+def test_reference_codes_equal_reference_tokenizer(encoder, ref_tokenizer):
+    wrapper, _ = ref_tokenizer
+    for samples in (1, 1920, 1921, 24000 * 3 + 7, 24000 * 12):
+        audio = voiced(samples, seed=samples + 2) if samples > 1 else np.full(1, 0.5, np.float32)
+        ours = encoder.encode(torch.from_numpy(audio))
+        theirs = wrapper.encode(audio, sr=24000).audio_codes[0]
+        assert ours.dtype == torch.int64 and ours.shape == (-(-samples // 1920), 16)
+        assert torch.equal(ours, theirs), (samples, (ours != theirs).float().mean().item())
+
+
+def test_reference_codes_attend_to_the_whole_clip(encoder, base):
+    """Past 250 transformer steps (10 s) a sliding-window Mimi gives other codes: the comparison above can fail."""
+    from voxbackend.codecs.mimi_encoder import MimiEncoder
+    from voxbackend.codecs.mimi_weights import read_codec_tensors
+
+    cfg = json.loads((base / "speech_tokenizer" / "config.json").read_text())["encoder_config"]
+    windowed = MimiEncoder(cfg)
+    windowed.load_hf_weights(read_codec_tensors(base / "speech_tokenizer", "encoder."))
+    audio = torch.from_numpy(voiced(24000 * 12, seed=9))
+    ours, short = encoder.encode(audio), windowed.encode(audio[None, None], 16)[0].T
+    assert torch.equal(ours[:125], short[:125])  # inside the window both see the same steps
+    assert (ours != short).float().mean() > 0.01
+
+
+def test_reference_encoder_refuses_bad_input(encoder, tmp_path):
+    for bad in (torch.zeros(0), torch.zeros(2, 1920)):
+        with pytest.raises(ValueError, match="mono"):
+            encoder.encode(bad)
+    with pytest.raises(ValueError, match="at most"):
+        encoder.encode(torch.zeros(encoder.max_samples + 1))
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_tts_tokenizer_12hz"}')
+    with pytest.raises(ValueError, match="no encoder_config"):
+        Qwen3TTSEncoder.from_pretrained(tmp_path)
