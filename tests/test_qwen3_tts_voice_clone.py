@@ -11,9 +11,16 @@ the same order; the embeddings spread over tens of units, std about 15, so the b
 Reference codes: our Qwen3TTSEncoder (the Mimi encoder loaded from the speech tokenizer) gives exactly the codes of
 the reference tokenizer wrapper's `encode` (feature extractor + `Qwen3TTSTokenizerV2Model.encode`), for partial
 last frames and for a clip past Mimi's 250-step (10 s) window, where the reference attends to the whole clip.
+
+Voice-clone front end: Qwen3TTSVoiceClone.clone gives the reference `Qwen3TTSModel.create_voice_clone_prompt`'s
+ref_code (exactly) and ref_spk_embedding (1e-5) for float clips and WAV files at 24 kHz (the reference's
+resampler is librosa's, not installed here: other rates are checked against our own resampling, which
+test_mimi_encoder measures); every bad clip is refused naming reference_audio.
 """
 from __future__ import annotations
 
+import base64
+import io
 import json
 
 import numpy as np
@@ -23,7 +30,10 @@ import torch
 from qwen_tts_oracle import import_qwen_tts, reference_model, reference_tokenizer
 from voxbackend.codecs.ecapa_tdnn import EcapaTdnn
 from voxbackend.codecs.mel_features import slaney_mel_filters, speaker_mel
+from voxbackend.audio_io import resample
 from voxbackend.codecs.qwen3_tts_encoder import Qwen3TTSEncoder
+from voxbackend.errors import InvalidRequest
+from voxbackend.models.qwen3_tts_voice_clone import Qwen3TTSVoiceClone, VoiceClonePrompt
 from voxbackend.tools.tiny_qwen3_tts import write_tiny_qwen3_tts
 
 TOL = 1e-5
@@ -203,3 +213,106 @@ def test_reference_encoder_refuses_bad_input(encoder, tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "qwen3_tts_tokenizer_12hz"}')
     with pytest.raises(ValueError, match="no encoder_config"):
         Qwen3TTSEncoder.from_pretrained(tmp_path)
+
+
+# ---------------------------------------------------------------- voice-clone front end
+
+
+@pytest.fixture(scope="module")
+def front(base):
+    return Qwen3TTSVoiceClone.from_pretrained(base)
+
+
+@pytest.fixture
+def reference_prompt(ref_model, ref_tokenizer, reference_mel):
+    """The reference Qwen3TTSModel wrapper around the reference model and tokenizer: its create_voice_clone_prompt
+    (processor unused there)."""
+    from qwen_tts.inference.qwen3_tts_model import Qwen3TTSModel
+
+    ref_model.load_speech_tokenizer(ref_tokenizer[0])
+    wrapper = Qwen3TTSModel(ref_model, processor=None)
+
+    def prompt(audio):
+        item, = wrapper.create_voice_clone_prompt(ref_audio=audio, ref_text="a transcript", x_vector_only_mode=False)
+        return item
+
+    return prompt
+
+
+def wav_bytes(audio: np.ndarray, rate: int, subtype: str = "FLOAT") -> bytes:
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    sf.write(buf, audio, rate, format="WAV", subtype=subtype)
+    return buf.getvalue()
+
+
+def test_voice_clone_equals_reference_prompt(front, reference_prompt):
+    for samples in (1920, 24000 * 2 + 333, 24000 * 11):
+        audio = voiced(samples, seed=samples + 3)
+        ours, theirs = front.clone(audio, 24000), reference_prompt((audio, 24000))
+        assert isinstance(ours, VoiceClonePrompt) and not ours.codes.is_inference()
+        assert torch.equal(ours.codes, theirs.ref_code)
+        assert (ours.x_vector - theirs.ref_spk_embedding).abs().max() < TOL
+    # a 16-bit stereo WAV file: both read it with libsndfile and average the channels
+    stereo = np.stack([voiced(24000, seed=1), voiced(24000, seed=2)], axis=1)
+    data = wav_bytes(stereo, 24000, "PCM_16")
+    ours, theirs = front.clone(data), reference_prompt("data:audio/wav;base64," + base64.b64encode(data).decode())
+    assert torch.equal(ours.codes, theirs.ref_code) and ours.codes.shape == (13, 16)
+    assert (ours.x_vector - theirs.ref_spk_embedding).abs().max() < TOL
+
+
+def _glide(seconds: float, rate: int) -> np.ndarray:
+    """One continuous signal sampled at any rate (a gliding vowel, harmonics under 3 kHz): resampling it should
+    give what sampling it at the new rate gives."""
+    t = np.arange(int(seconds * rate)) / rate
+    phase = 2 * np.pi * (140 * t - 140 * 0.1 / (2 * np.pi * 1.3) * np.cos(2 * np.pi * 1.3 * t))
+    clip = sum(0.5 / k * np.sin(k * phase) for k in range(1, 8)) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t) ** 2)
+    return (0.25 * clip).astype(np.float32)
+
+
+def test_other_rates_are_resampled_once_for_both_encoders(front):
+    native = front.clone(_glide(2.0, 24000), 24000)
+    for rate in (16000, 44100, 48000):
+        clip = _glide(2.0, rate)
+        ours = front.clone(clip, rate)
+        at_24k = front.clone(resample(clip, rate, 24000), 24000)
+        assert torch.equal(ours.codes, at_24k.codes) and torch.equal(ours.x_vector, at_24k.x_vector)
+        assert ours.codes.shape == native.codes.shape == (25, 16)
+        # measured: x-vectors 0.25-0.4 % apart, codes all equal (the resampler is -80 dB, not exact)
+        gap = (ours.x_vector - native.x_vector).norm() / native.x_vector.norm()
+        assert gap < 1e-2, (rate, gap)
+        assert (ours.codes != native.codes).float().mean() < 0.05
+
+
+@pytest.mark.parametrize("audio, rate, match", [
+    (b"RIFF\x00\x00 not a wav file", None, "not a readable audio file"),
+    (b"", None, "is empty"),
+    (np.zeros(0, np.float32), 24000, "is empty"),
+    (np.zeros(1919, np.float32), 24000, "at least 80 ms"),
+    (np.zeros(1279, np.float32), 16000, "at least 80 ms"),  # 1919 samples at 24 kHz
+    (np.zeros(30 * 24000 + 1, np.float32), 24000, "limit is 30 s"),
+    (np.zeros(30 * 16000 + 1, np.float32), 16000, "limit is 30 s"),
+    (np.full(4000, np.nan, np.float32), 24000, "NaN"),
+    (np.zeros(4000, np.float32), None, "need a sample_rate"),
+    (np.zeros((2, 4000), np.float32), 24000, "mono"),
+    (np.zeros(4000, np.int16), 24000, "float32"),
+    (np.zeros(4000, np.float32), 7, "sample_rate must be"),
+    ("a string", 24000, "must be audio file bytes"),
+])
+def test_bad_reference_audio_is_refused(front, audio, rate, match):
+    with pytest.raises(InvalidRequest, match=match) as err:
+        front.clone(audio, rate)
+    assert err.value.field == "reference_audio"
+
+
+def test_limits_and_checkpoints(front, base, tmp_path):
+    assert front.clone(np.zeros(30 * 24000, np.float32), 24000).codes.shape == (375, 16)  # silence is a clip
+    assert front.clone(np.zeros(1920, np.float32), 24000).codes.shape == (1, 16)
+    short = Qwen3TTSVoiceClone.from_pretrained(base, max_reference_s=2.0)
+    with pytest.raises(InvalidRequest, match="limit is 2 s"):
+        short.clone(np.zeros(2 * 24000 + 1, np.float32), 24000)
+    with pytest.raises(ValueError, match="past the encoder"):
+        Qwen3TTSVoiceClone.from_pretrained(base, max_reference_s=1000.0)
+    with pytest.raises(ValueError, match="not a Qwen3-TTS Base"):
+        Qwen3TTSVoiceClone.from_pretrained(write_tiny_qwen3_tts(tmp_path / "vd", variant="voice_design"))
