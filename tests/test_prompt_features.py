@@ -59,8 +59,9 @@ def _reference_tokens(reference, prompt: list[int], vectors: np.ndarray | None) 
         at = [i for i, t in enumerate(prompt) if t == FEATURE]
         if at:
             embeds[at] = torch.from_numpy(vectors)
-        out = reference.generate(inputs_embeds=embeds[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
+        mask = torch.ones(1, len(prompt), dtype=torch.long)
+        out = reference.generate(inputs_embeds=embeds[None], attention_mask=mask, max_new_tokens=STEPS,
+                                 min_new_tokens=STEPS, do_sample=False)
     return out[0].tolist()
 
 

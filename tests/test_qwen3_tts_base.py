@@ -5,8 +5,9 @@ batched (several references, staggered arrivals, chunked prefill, a preemption);
 reference decode of ref_code + codes with the reference part cut off; bad reference inputs are refused naming
 the field.
 
-The reference clip enters here as arrays (its 12 Hz codes and x-vector), as `voice_clone_prompt` hands them to
-generate.
+The reference clip mostly enters as arrays (its 12 Hz codes and x-vector), as `voice_clone_prompt` hands them to
+generate; a WAV clip through REFERENCE_AUDIO goes through the voice-clone front end
+(models/qwen3_tts_voice_clone.py, its own parity tests in tests/test_qwen3_tts_voice_clone.py) into the same prompt.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from qwen_tts_oracle import import_qwen_tts, reference_codec, reference_rope
+from qwen_tts_oracle import reference_codec, reference_model
 from voxbackend import SamplingParams
 from voxbackend.config import EngineConfig
 from voxbackend.engine.engine import Engine
@@ -39,21 +40,9 @@ CASES = [
 ]
 
 
-def write_tiny_base(out):
-    """A tiny Base checkpoint: the CustomVoice writer's weights with a Base config (no speakers). The speaker
-    encoder is not part of these tests (the x-vector is given), so it has no weights here."""
-    folder = write_tiny_qwen3_tts(out, variant="custom_voice", seed=5)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["tts_model_type"] = "base"
-    cfg["talker_config"].update(spk_id={}, spk_is_dialect={})
-    cfg["speaker_encoder_config"] = {"enc_dim": cfg["talker_config"]["hidden_size"], "sample_rate": 24000}
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-    return folder
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    return write_tiny_base(tmp_path_factory.mktemp("qwen3_tts_base"))
+    return write_tiny_qwen3_tts(tmp_path_factory.mktemp("qwen3_tts_base"), variant="base", seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -63,20 +52,13 @@ def model(base):
 
 @pytest.fixture(scope="module")
 def ref(base):
-    """The reference model (all weights but the speaker encoder's, strictly) and its processor."""
-    from safetensors.torch import load_file
+    """The reference model (strict load, speaker encoder included) and its processor on the folder's tokenizer."""
     from transformers import AutoTokenizer
 
-    import_qwen_tts()
-    from qwen_tts.core.models import configuration_qwen3_tts, modeling_qwen3_tts
+    reference = reference_model(base)  # imports qwen_tts with its stand-ins first
     from qwen_tts.core.models.processing_qwen3_tts import Qwen3TTSProcessor
 
-    config = configuration_qwen3_tts.Qwen3TTSConfig.from_pretrained(base)
-    with reference_rope():
-        m = modeling_qwen3_tts.Qwen3TTSForConditionalGeneration(config).eval()
-    missing, unexpected = m.load_state_dict(load_file(str(base / "model.safetensors")), strict=False)
-    assert not unexpected and missing and all(k.startswith("speaker_encoder.") for k in missing)
-    return m, Qwen3TTSProcessor(tokenizer=AutoTokenizer.from_pretrained(str(base)))
+    return reference, Qwen3TTSProcessor(tokenizer=AutoTokenizer.from_pretrained(str(base)))
 
 
 def clip(frames: int, seed: int, hidden: int = 64) -> tuple[np.ndarray, np.ndarray]:
@@ -258,3 +240,50 @@ def test_bad_reference_inputs_are_refused_naming_the_field(base, model, tmp_path
     while not events or not events[-1].final:
         engine.step()
     assert events[-1].kind is EventKind.FINISHED
+
+
+def _wav(audio: np.ndarray, rate: int = 24000) -> bytes:
+    import io
+
+    import soundfile
+
+    buf = io.BytesIO()
+    soundfile.write(buf, audio, rate, format="WAV", subtype="FLOAT")
+    return buf.getvalue()
+
+
+def test_reference_audio_goes_through_the_voice_clone_front_end(base, model):
+    """A WAV clip gives the prompt and conditioning of its codes and x-vector from Qwen3TTSVoiceClone, and the
+    stream's codec state starts after those codes; an unreadable clip is refused naming reference_audio."""
+    from voxbackend.models.qwen3_tts_voice_clone import Qwen3TTSVoiceClone
+
+    t = np.arange(int(0.9 * 24000)) / 24000
+    audio = (0.3 * np.sin(2 * np.pi * 220 * t * (1 + 0.3 * t))).astype(np.float32)
+    clone = Qwen3TTSVoiceClone.from_pretrained(base).clone(audio, 24000)
+    front = load_frontend(base)
+    got = front.prepare("Hello there.", reference_audio=_wav(audio), reference_text=REF_TEXT)
+    want = front.prepare("Hello there.", reference_codes=clone.codes.numpy(), x_vector=clone.x_vector.numpy(),
+                         reference_text=REF_TEXT)
+    assert got.ids == want.ids and len(clone.codes) == 12  # 0.9 s: 12 frames (the last one partial)
+    for k in want.conditioning:
+        np.testing.assert_array_equal(got.conditioning[k], want.conditioning[k])
+    samples = front.prepare("Hello there.", reference_audio=audio, reference_text=REF_TEXT)  # float samples, 24 kHz
+    assert samples.ids == want.ids
+    engine = Engine(model, EngineConfig(kv_pages=64))
+    a, _ = engine.synthesize("Hello there.", None, SamplingParams(**GREEDY, max_tokens=8), reference_audio=_wav(audio),
+                             reference_text=REF_TEXT)
+    b, _ = engine.synthesize("Hello there.", None, SamplingParams(**GREEDY, max_tokens=8),
+                             reference_codes=clone.codes.numpy(), x_vector=clone.x_vector.numpy(),
+                             reference_text=REF_TEXT)
+    np.testing.assert_array_equal(a, b)
+    for bad, field in [(b"RIFF not a wav", "reference_audio"), (_wav(audio[:1000]), "reference_audio")]:
+        with pytest.raises(InvalidRequest) as err:
+            front.prepare("Hello there.", reference_audio=bad, reference_text=REF_TEXT)
+        assert err.value.field == field
+    with pytest.raises(InvalidRequest) as err:  # a clip without its transcript: refused before it is encoded
+        front.prepare("Hello there.", reference_audio=_wav(audio))
+    assert err.value.field == "reference_text"
+    with pytest.raises(InvalidRequest) as err:
+        front.prepare("Hello there.", reference_audio=_wav(audio), reference_codes=clone.codes.numpy(),
+                      x_vector=clone.x_vector.numpy(), reference_text=REF_TEXT)
+    assert err.value.field == "reference_audio"

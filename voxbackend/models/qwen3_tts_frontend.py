@@ -26,6 +26,7 @@ token).
 from __future__ import annotations
 
 import json
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +104,11 @@ class Qwen3TTSFrontend(SpeechModel):
         TensorSpec("INSTRUCT", "STRING", optional=True,
                    doc="voice / style instruction (VoiceDesign; CustomVoice 1.7B); refused by 0.6B CustomVoice "
                        "and Base", arg="instruct"),
+        TensorSpec("REFERENCE_AUDIO", "STRING", optional=True, arg="reference_audio", kind="audio",
+                   doc="Base (voice cloning): the voice to clone, a WAV/FLAC/OGG clip of 80 ms to 30 s (any rate), "
+                       "with REFERENCE_TEXT; refused by CustomVoice and VoiceDesign"),
+        TensorSpec("REFERENCE_TEXT", "STRING", optional=True, arg="reference_text",
+                   doc="Base: the transcript of REFERENCE_AUDIO"),
     )
     # Base (voice cloning): the reference clip's speaker embedding (the prompt's FEATURE row) and codes (the
     # in-context rows, and what the codec state is primed with)
@@ -141,6 +147,9 @@ class Qwen3TTSFrontend(SpeechModel):
         self.takes_instruct = self.variant == "voice_design" or (
             self.variant == "custom_voice" and (hf.get("tts_model_size") or "") not in ("0b6", ""))
         self.clones = self.variant == "base"
+        self.model_dir, self.speech_dir = model_dir, find_speech_tokenizer(model_dir, codec_dir)
+        self._voice_clone = None  # Base: the reference-clip encoders, loaded with the first clip
+        self._voice_clone_lock = threading.Lock()
         self.code_size: int = talker["code_predictor_config"]["vocab_size"]
         self.tts_pad, self.tts_bos, self.tts_eos = (hf.get(k, d) for k, d in (
             ("tts_pad_token_id", 151671), ("tts_bos_token_id", 151672), ("tts_eos_token_id", 151673)))
@@ -190,12 +199,13 @@ class Qwen3TTSFrontend(SpeechModel):
 
     # ---------------------------------------------------------------- prompt
     def prepare(self, text: str, voice: str | None = None, *, text_open: bool = False, language: str | None = None,
-                instruct: str | None = None, reference_text: str | None = None,
-                reference_codes: np.ndarray | None = None, x_vector: np.ndarray | None = None
-                ) -> list[list[int]] | Prompt:
-        """Base checkpoints need the reference: its transcript and the clip's codes [T, 16] and x-vector [hidden]."""
+                instruct: str | None = None, reference_audio: bytes | np.ndarray | None = None,
+                reference_text: str | None = None, reference_codes: np.ndarray | None = None,
+                x_vector: np.ndarray | None = None) -> list[list[int]] | Prompt:
+        """Base checkpoints need the reference: its transcript and either the clip (`reference_audio`: file bytes,
+        or float samples at 24 kHz) or what the encoders make of it (codes [T, 16] and x-vector [hidden])."""
         text = self._text(text, "text")
-        reference = self._reference(reference_text, reference_codes, x_vector, text_open)
+        reference = self._reference(reference_audio, reference_text, reference_codes, x_vector, text_open)
         speaker = self._speaker(voice)
         language_id = self._language_id(language, speaker)
         rows = []
@@ -247,17 +257,21 @@ class Qwen3TTSFrontend(SpeechModel):
             row[-1] = text_id
         return codec + [self._codec_row(QUEUED, t) for t in text[len(codec):-1]]
 
-    def _reference(self, reference_text, reference_codes, x_vector, text_open: bool):
+    def _reference(self, reference_audio, reference_text, reference_codes, x_vector, text_open: bool):
         """Base: (transcript, codes int32 [T, groups], x-vector float32 [hidden]); other variants: None (and refused
-        when given one)."""
-        given = {"reference_text": reference_text, "reference_codes": reference_codes, "x_vector": x_vector}
+        when given one). Cheap checks come before the clip goes through the encoders."""
+        given = {"reference_audio": reference_audio, "reference_text": reference_text,
+                 "reference_codes": reference_codes, "x_vector": x_vector}
         if not self.clones:
             name = next((k for k, v in given.items() if v is not None), None)
             if name is not None:
                 raise InvalidRequest(f"{name}: a reference clip (voice cloning) is taken by Base checkpoints only; "
                                      f"this one is {self.variant}", field=name)
             return None
-        if reference_codes is None or x_vector is None:
+        if reference_audio is not None and (reference_codes is not None or x_vector is not None):
+            raise InvalidRequest("reference_audio: send the clip or its codes and x-vector, not both",
+                                 field="reference_audio")
+        if reference_audio is None and (reference_codes is None or x_vector is None):
             if reference_text is not None:
                 raise InvalidRequest("reference_text was given without a reference clip", field="reference_audio")
             raise InvalidRequest("Base (voice cloning) checkpoints need a reference clip and its transcript",
@@ -268,8 +282,24 @@ class Qwen3TTSFrontend(SpeechModel):
         if text_open:
             raise InvalidRequest("text streaming is not available for voice cloning: the in-context prompt holds "
                                  "the whole text; send it in one request", field="text")
+        if reference_audio is not None:
+            clone = self.voice_clone().clone(reference_audio, None if isinstance(reference_audio, bytes) else
+                                             self.voice_clone().sample_rate)
+            reference_codes, x_vector = clone.codes.numpy(), clone.x_vector.numpy()
         checked = self.check_conditioning({"reference_codes": reference_codes, "x_vector": x_vector})
         return reference_text, checked["reference_codes"], checked["x_vector"]
+
+    def voice_clone(self):
+        """Base: the speech tokenizer's encoder and the speaker encoder (CPU), loaded once, on the first clip."""
+        with self._voice_clone_lock:
+            if self._voice_clone is None:
+                from voxbackend.codecs.ecapa_tdnn import EcapaTdnn
+                from voxbackend.codecs.qwen3_tts_encoder import Qwen3TTSEncoder
+                from voxbackend.models.qwen3_tts_voice_clone import Qwen3TTSVoiceClone
+
+                self._voice_clone = Qwen3TTSVoiceClone(Qwen3TTSEncoder.from_pretrained(self.speech_dir),
+                                                       EcapaTdnn.from_checkpoint(self.model_dir))
+            return self._voice_clone
 
     def check_conditioning(self, conditioning: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = super().check_conditioning(conditioning)
