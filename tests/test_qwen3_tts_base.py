@@ -287,3 +287,21 @@ def test_reference_audio_goes_through_the_voice_clone_front_end(base, model):
         front.prepare("Hello there.", reference_audio=_wav(audio), reference_codes=clone.codes.numpy(),
                       x_vector=clone.x_vector.numpy(), reference_text=REF_TEXT)
     assert err.value.field == "reference_audio"
+
+
+@pytest.mark.parametrize("frames", [1, 5, 11, 40, 100])
+def test_codec_priming_leaves_the_state_a_whole_decode_would(model, frames):
+    """prime runs the synthesis stages over the last reach_frames only; the windows that follow equal those after
+    decoding every reference frame (and a whole-clip decode)."""
+    codec = model.codec
+    g = torch.Generator().manual_seed(frames)
+    reference, rest = torch.randint(0, 2048, (frames, 16), generator=g), torch.randint(0, 2048, (9, 16), generator=g)
+    primed, decoded = codec.new_state(), codec.new_state()
+    codec.prime(primed, reference)
+    codec.decode_window([decoded], [reference])
+    assert primed.frames == decoded.frames == frames
+    whole = codec.decode(torch.cat([reference, rest])[None])[0][frames * 1920:]
+    got = torch.cat([codec.decode_window([primed], [rest[:1]])[0], codec.decode_window([primed], [rest[1:]])[0]])
+    want = torch.cat([codec.decode_window([decoded], [rest[:1]])[0], codec.decode_window([decoded], [rest[1:]])[0]])
+    assert (got - want).abs().max() < 1e-5 and (got - whole).abs().max() < 1e-5
+    assert codec.reach_frames < 40  # the long references do skip frames

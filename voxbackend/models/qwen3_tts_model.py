@@ -53,11 +53,12 @@ class Qwen3TTS(Qwen3TTSFrontend):
     # ---------------------------------------------------------------- codec
     def new_codec_state(self, conditioning):
         """Base: the state after the reference clip's codes (decoded, the audio dropped), so the stream continues
-        the reference's decode of reference codes + generated codes with the reference part cut off."""
+        the reference's decode of reference codes + generated codes with the reference part cut off. Priming runs
+        the synthesis stages over the reference's last frames only (Qwen3TTSCodec.prime)."""
         state = self.codec.new_state()
         reference = conditioning.get("reference_codes")
         if reference is not None:
-            self.codec.decode_window([state], [torch.as_tensor(reference, dtype=torch.long, device=self.device)])
+            self.codec.prime(state, torch.as_tensor(reference, dtype=torch.long, device=self.device))
         return state
 
     def detokenize(self, jobs: list[WindowJob]) -> list[np.ndarray]:
