@@ -269,6 +269,14 @@ def test_reference_audio_goes_through_the_voice_clone_front_end(base, model):
         np.testing.assert_array_equal(got.conditioning[k], want.conditioning[k])
     samples = front.prepare("Hello there.", reference_audio=audio, reference_text=REF_TEXT)  # float samples, 24 kHz
     assert samples.ids == want.ids
+    clip_file = _wav(audio)  # (a float WAV's PEAK chunk carries a timestamp: one file, sent twice)
+    front.prepare("Hello there.", reference_audio=clip_file, reference_text=REF_TEXT)
+    encoded = front.clips_encoded
+    again = front.prepare("Good morning!", reference_audio=clip_file, reference_text=REF_TEXT)  # the same file
+    assert front.clips_encoded == encoded  # kept by content: not encoded again
+    np.testing.assert_array_equal(again.conditioning["reference_codes"], want.conditioning["reference_codes"])
+    front.prepare("Good morning!", reference_audio=_wav(audio * 0.5), reference_text=REF_TEXT)
+    assert front.clips_encoded == encoded + 1
     engine = Engine(model, EngineConfig(kv_pages=64))
     a, _ = engine.synthesize("Hello there.", None, SamplingParams(**GREEDY, max_tokens=8), reference_audio=_wav(audio),
                              reference_text=REF_TEXT)

@@ -25,9 +25,10 @@ token).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,7 @@ SPEECH_TOKENIZER = "speech_tokenizer"
 FIRST_WINDOW_FRAMES = 1
 WINDOW_FRAMES = 4
 VARIANTS = ("custom_voice", "voice_design", "base")
+CACHED_CLIPS = 64  # Base: reference clips whose codes and x-vector are kept (a service clones a few voices often)
 
 
 def is_qwen3_tts_config(hf_config: dict) -> bool:
@@ -150,6 +152,8 @@ class Qwen3TTSFrontend(SpeechModel):
         self.model_dir, self.speech_dir = model_dir, find_speech_tokenizer(model_dir, codec_dir)
         self._voice_clone = None  # Base: the reference-clip encoders, loaded with the first clip
         self._voice_clone_lock = threading.Lock()
+        self._clips: OrderedDict[bytes, tuple[np.ndarray, np.ndarray]] = OrderedDict()  # clip digest -> encoded
+        self.clips_encoded = 0  # clips run through the encoders (tells a cache hit from a recompute)
         self.code_size: int = talker["code_predictor_config"]["vocab_size"]
         self.tts_pad, self.tts_bos, self.tts_eos = (hf.get(k, d) for k, d in (
             ("tts_pad_token_id", 151671), ("tts_bos_token_id", 151672), ("tts_eos_token_id", 151673)))
@@ -283,11 +287,29 @@ class Qwen3TTSFrontend(SpeechModel):
             raise InvalidRequest("text streaming is not available for voice cloning: the in-context prompt holds "
                                  "the whole text; send it in one request", field="text")
         if reference_audio is not None:
-            clone = self.voice_clone().clone(reference_audio, None if isinstance(reference_audio, bytes) else
-                                             self.voice_clone().sample_rate)
-            reference_codes, x_vector = clone.codes.numpy(), clone.x_vector.numpy()
+            reference_codes, x_vector = self.encode_clip(reference_audio)
         checked = self.check_conditioning({"reference_codes": reference_codes, "x_vector": x_vector})
         return reference_text, checked["reference_codes"], checked["x_vector"]
+
+    def encode_clip(self, audio: bytes | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A reference clip (file bytes, or float samples at 24 kHz) -> (codes [T, 16], x-vector [hidden]), kept
+        for the last CACHED_CLIPS clips by content (the encoders are deterministic)."""
+        samples = not isinstance(audio, bytes)
+        raw = np.ascontiguousarray(audio, dtype=np.float32).tobytes() if samples else audio
+        key = hashlib.sha256(raw).digest() + (b"samples" if samples else b"file")
+        with self._voice_clone_lock:
+            if key in self._clips:
+                self._clips.move_to_end(key)
+                return self._clips[key]
+        front = self.voice_clone()
+        clone = front.clone(audio, front.sample_rate if samples else None)
+        encoded = clone.codes.numpy(), clone.x_vector.numpy()
+        with self._voice_clone_lock:
+            self.clips_encoded += 1
+            self._clips[key] = encoded
+            while len(self._clips) > CACHED_CLIPS:
+                self._clips.popitem(last=False)
+        return encoded
 
     def voice_clone(self):
         """Base: the speech tokenizer's encoder and the speaker encoder (CPU), loaded once, on the first clip."""
