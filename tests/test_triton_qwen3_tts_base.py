@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 import soundfile as sf  # noqa: E402
 import tritonclient.grpc as tritonclient  # noqa: E402
 
-from clients.tts_stream import make_inputs, stream_request  # noqa: E402
+from clients.tts_stream import main as tts_stream_main, make_inputs, stream_request  # noqa: E402
 from voxbackend.tools.tiny_cosyvoice2 import voice_clip  # noqa: E402
 from voxbackend.tools.tiny_qwen3_tts import write_tiny_qwen3_tts  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
@@ -53,11 +53,8 @@ class Case:
     seed: int = 0
 
     def inputs(self) -> list:
-        inputs = make_inputs(self.text, self.voice, self.fmt, MAX_TOKENS=MAX_TOKENS, SEED=self.seed)
-        if self.audio is not None:
-            inputs.append(_bytes_input("REFERENCE_AUDIO", self.audio))
-        if self.transcript is not None:
-            inputs.append(_bytes_input("REFERENCE_TEXT", self.transcript.encode()))
+        inputs = make_inputs(self.text, self.voice, self.fmt, reference_audio=self.audio,
+                             reference_text=self.transcript, MAX_TOKENS=MAX_TOKENS, SEED=self.seed)
         if self.language is not None:
             inputs.append(_bytes_input("LANGUAGE", self.language.encode()))
         return inputs
@@ -116,6 +113,21 @@ def test_the_engine_model_clones_from_text_too(server, reference):
     case = CASES[1]
     out = stream_request(server.grpc_url, "qwen3_tts_engine", case.inputs(), case.fmt, timeout=240)
     assert_matches(out, reference(case), case.fmt, "qwen3_tts_engine Base stream", RATE)
+
+
+def test_the_client_clones_from_a_file(server, reference, tmp_path):
+    """clients.tts_stream --reference-audio FILE --reference-text TEXT: the WAV it writes is the engine's audio."""
+    case = CASES[0]
+    clip, out = tmp_path / "me.wav", tmp_path / "out.wav"
+    clip.write_bytes(case.audio)
+    code = tts_stream_main(["--url", server.grpc_url, "--model", "qwen3_tts", "--text", case.text,
+                            "--reference-audio", str(clip), "--reference-text", case.transcript,
+                            "--seed", str(case.seed), "--max-tokens", str(MAX_TOKENS), "--out", str(out)])
+    assert code == 0
+    audio, rate = sf.read(str(out), dtype="float32")
+    expected = reference(case)
+    assert rate == RATE and len(audio) == len(expected)
+    assert np.abs(audio - expected).max() < 2 / 32768  # the WAV is 16-bit
 
 
 BAD_INPUTS = {
