@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from qwen_tts_oracle import import_qwen_tts, reference_model, reference_tokenizer
-from voxbackend.codecs.ecapa_tdnn import EcapaTdnn
+from voxbackend.codecs.ecapa_tdnn import EcapaConfig, EcapaTdnn
 from voxbackend.codecs.mel_features import slaney_mel_filters, speaker_mel
 from voxbackend.audio_io import resample
 from voxbackend.codecs.qwen3_tts_encoder import Qwen3TTSEncoder
@@ -162,6 +162,23 @@ def test_speaker_embedding_equals_reference(ecapa, ref_model, reference_mel):
     e = torch.stack(embeddings)
     assert e.std() > 0.5  # spread over units, so 1e-5 is tight
     assert torch.cdist(e, e).fill_diagonal_(1e9).min() > 0.1  # different clips, different voices
+
+
+def test_speaker_encoder_defaults_are_the_references():
+    """A released config.json may state only some fields: the others must default as in the reference."""
+    import_qwen_tts()
+    from qwen_tts.core.models.configuration_qwen3_tts import Qwen3TTSSpeakerEncoderConfig
+
+    ref = Qwen3TTSSpeakerEncoderConfig()
+    ours = EcapaConfig()
+    for name in vars(ours):
+        want = getattr(ref, name)
+        assert getattr(ours, name) == (tuple(want) if isinstance(want, list) else want), name
+    assert EcapaConfig.from_dict({"enc_dim": 2048, "unknown": 1}) == EcapaConfig(enc_dim=2048)
+    with pytest.raises(ValueError, match="aggregation width"):
+        EcapaConfig(enc_channels=(32, 32, 32, 32, 90))
+    with pytest.raises(ValueError, match="divide"):
+        EcapaConfig(enc_channels=(32, 36, 36, 36, 108))
 
 
 def test_speaker_encoder_refuses_what_it_cannot_embed(ecapa, base, tmp_path):
