@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from qwen_tts_oracle import import_qwen_tts, reference_model, reference_tokenizer
+from qwen_tts_oracle import import_qwen_tts, reference_model, reference_tokenizer, transformers_slaney_mel
 from voxbackend.codecs.ecapa_tdnn import EcapaConfig, EcapaTdnn
 from voxbackend.codecs.mel_features import slaney_mel_filters, speaker_mel
 from voxbackend.audio_io import resample
@@ -114,26 +114,19 @@ def voiced(samples: int, seed: int, rate: int = 24000) -> np.ndarray:
     return (0.9 * clip / np.abs(clip).max()).astype(np.float32)
 
 
-def _transformers_slaney(*, sr, n_fft, n_mels, fmin=0.0, fmax=None):
-    from transformers.audio_utils import mel_filter_bank
-
-    return mel_filter_bank(n_fft // 2 + 1, n_mels, fmin, sr / 2 if fmax is None else fmax, sr,
-                           norm="slaney", mel_scale="slaney").T.astype("float32")
-
-
 @pytest.fixture
 def reference_mel(monkeypatch):
     """The reference modeling module with librosa.filters.mel (a stand-in in tests) answered by transformers."""
     import_qwen_tts()
     from qwen_tts.core.models import modeling_qwen3_tts
 
-    monkeypatch.setattr(modeling_qwen3_tts, "librosa_mel_fn", _transformers_slaney)
+    monkeypatch.setattr(modeling_qwen3_tts, "librosa_mel_fn", transformers_slaney_mel)
     return modeling_qwen3_tts
 
 
 def test_speaker_mel_equals_reference(reference_mel):
     ours_bank = slaney_mel_filters(24000, 1024, 128, 0.0, 12000.0).numpy()
-    np.testing.assert_allclose(ours_bank, _transformers_slaney(sr=24000, n_fft=1024, n_mels=128, fmax=12000),
+    np.testing.assert_allclose(ours_bank, transformers_slaney_mel(sr=24000, n_fft=1024, n_mels=128, fmax=12000),
                                rtol=0, atol=1e-7)
     for samples in (24000, 24000 * 2 + 137, 1280):
         audio = voiced(samples, seed=samples)
