@@ -203,3 +203,13 @@ def reference_model(folder):
         model = modeling_qwen3_tts.Qwen3TTSForConditionalGeneration(config).eval()
     model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
     return model
+
+
+def transformers_slaney_mel(*, sr, n_fft, n_mels, fmin=0.0, fmax=None):
+    """What `librosa.filters.mel` returns (Slaney scale and norm), from transformers' own `mel_filter_bank`, an
+    implementation independent of ours: the reference speaker-encoder mel (`modeling_qwen3_tts.librosa_mel_fn`,
+    a stand-in in tests) is monkeypatched with it where a test runs `extract_speaker_embedding`."""
+    from transformers.audio_utils import mel_filter_bank
+
+    return mel_filter_bank(n_fft // 2 + 1, n_mels, fmin, sr / 2 if fmax is None else fmax, sr,
+                           norm="slaney", mel_scale="slaney").T.astype("float32")

@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 import torch
 
-from qwen_tts_oracle import import_qwen_tts, reference_model, reference_tokenizer
-from voxbackend.codecs.ecapa_tdnn import EcapaTdnn
+from qwen_tts_oracle import import_qwen_tts, reference_model, reference_tokenizer, transformers_slaney_mel
+from voxbackend.codecs.ecapa_tdnn import EcapaConfig, EcapaTdnn
 from voxbackend.codecs.mel_features import slaney_mel_filters, speaker_mel
 from voxbackend.audio_io import resample
 from voxbackend.codecs.qwen3_tts_encoder import Qwen3TTSEncoder
@@ -114,26 +114,19 @@ def voiced(samples: int, seed: int, rate: int = 24000) -> np.ndarray:
     return (0.9 * clip / np.abs(clip).max()).astype(np.float32)
 
 
-def _transformers_slaney(*, sr, n_fft, n_mels, fmin=0.0, fmax=None):
-    from transformers.audio_utils import mel_filter_bank
-
-    return mel_filter_bank(n_fft // 2 + 1, n_mels, fmin, sr / 2 if fmax is None else fmax, sr,
-                           norm="slaney", mel_scale="slaney").T.astype("float32")
-
-
 @pytest.fixture
 def reference_mel(monkeypatch):
     """The reference modeling module with librosa.filters.mel (a stand-in in tests) answered by transformers."""
     import_qwen_tts()
     from qwen_tts.core.models import modeling_qwen3_tts
 
-    monkeypatch.setattr(modeling_qwen3_tts, "librosa_mel_fn", _transformers_slaney)
+    monkeypatch.setattr(modeling_qwen3_tts, "librosa_mel_fn", transformers_slaney_mel)
     return modeling_qwen3_tts
 
 
 def test_speaker_mel_equals_reference(reference_mel):
     ours_bank = slaney_mel_filters(24000, 1024, 128, 0.0, 12000.0).numpy()
-    np.testing.assert_allclose(ours_bank, _transformers_slaney(sr=24000, n_fft=1024, n_mels=128, fmax=12000),
+    np.testing.assert_allclose(ours_bank, transformers_slaney_mel(sr=24000, n_fft=1024, n_mels=128, fmax=12000),
                                rtol=0, atol=1e-7)
     for samples in (24000, 24000 * 2 + 137, 1280):
         audio = voiced(samples, seed=samples)
@@ -162,6 +155,23 @@ def test_speaker_embedding_equals_reference(ecapa, ref_model, reference_mel):
     e = torch.stack(embeddings)
     assert e.std() > 0.5  # spread over units, so 1e-5 is tight
     assert torch.cdist(e, e).fill_diagonal_(1e9).min() > 0.1  # different clips, different voices
+
+
+def test_speaker_encoder_defaults_are_the_references():
+    """A released config.json may state only some fields: the others must default as in the reference."""
+    import_qwen_tts()
+    from qwen_tts.core.models.configuration_qwen3_tts import Qwen3TTSSpeakerEncoderConfig
+
+    ref = Qwen3TTSSpeakerEncoderConfig()
+    ours = EcapaConfig()
+    for name in vars(ours):
+        want = getattr(ref, name)
+        assert getattr(ours, name) == (tuple(want) if isinstance(want, list) else want), name
+    assert EcapaConfig.from_dict({"enc_dim": 2048, "unknown": 1}) == EcapaConfig(enc_dim=2048)
+    with pytest.raises(ValueError, match="aggregation width"):
+        EcapaConfig(enc_channels=(32, 32, 32, 32, 90))
+    with pytest.raises(ValueError, match="divide"):
+        EcapaConfig(enc_channels=(32, 36, 36, 36, 108))
 
 
 def test_speaker_encoder_refuses_what_it_cannot_embed(ecapa, base, tmp_path):

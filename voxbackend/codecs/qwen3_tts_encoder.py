@@ -21,6 +21,7 @@ from voxbackend.codecs.mimi_encoder import MimiEncoder
 from voxbackend.codecs.mimi_weights import read_codec_tensors
 
 TOKENIZER_DIR = "speech_tokenizer"  # inside a Qwen3-TTS checkpoint folder
+MAX_POSITIONS = 8000  # MimiConfig's max_position_embeddings when a config leaves it out
 
 
 class Qwen3TTSEncoder:
@@ -33,7 +34,8 @@ class Qwen3TTSEncoder:
         self.sample_rate: int = mimi.sample_rate
         self.frame_size: int = mimi.frame_size  # 1920: 24 kHz at 12.5 Hz
         # positions past the RoPE table the reference was configured for are not meaningful
-        self.max_samples = mimi.config["max_position_embeddings"] * mimi.frame_size // mimi.latent_stride
+        positions = mimi.config.get("max_position_embeddings", MAX_POSITIONS)
+        self.max_samples = positions * mimi.frame_size // mimi.latent_stride
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
@@ -46,7 +48,8 @@ class Qwen3TTSEncoder:
         if "encoder_config" not in cfg:
             raise ValueError(f"{path} has no encoder_config: not a Qwen3-TTS 12 Hz speech tokenizer")
         mimi_cfg = dict(cfg["encoder_config"])
-        mimi_cfg["sliding_window"] = mimi_cfg["max_position_embeddings"]  # whole-clip attention (module docstring)
+        # whole-clip attention (module docstring)
+        mimi_cfg["sliding_window"] = mimi_cfg.get("max_position_embeddings", MAX_POSITIONS)
         mimi = MimiEncoder(mimi_cfg)
         mimi.load_hf_weights(read_codec_tensors(path, "encoder."))
         books = mimi.codebooks.clone()
