@@ -20,7 +20,8 @@ sys.path.insert(0, str(ROOT))
 import soundfile as sf  # noqa: E402
 import tritonclient.grpc as tritonclient  # noqa: E402
 
-from clients.tts_stream import main as tts_stream_main, make_inputs, stream_request  # noqa: E402
+from clients.tts_stream import main as tts_stream_main  # noqa: E402
+from clients.tts_stream import make_inputs, stream_request, stream_text_pieces  # noqa: E402
 from voxbackend.tools.tiny_cosyvoice2 import voice_clip  # noqa: E402
 from voxbackend.tools.tiny_qwen3_tts import write_tiny_qwen3_tts  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
@@ -128,6 +129,20 @@ def test_the_client_clones_from_a_file(server, reference, tmp_path):
     expected = reference(case)
     assert rate == RATE and len(audio) == len(expected)
     assert np.abs(audio - expected).max() < 2 / 32768  # the WAV is 16-bit
+
+
+def test_text_streaming_with_a_reference_is_refused_clearly(server):
+    """The in-context prompt needs the whole text: qwen3_tts_text_stream on a Base checkpoint refuses, naming
+    TEXT, and a whole-text request still clones."""
+    case = CASES[0]
+    options = make_inputs(None, None, "fp32", reference_audio=case.audio, reference_text=case.transcript,
+                          batched=True, MAX_TOKENS=MAX_TOKENS, SEED=case.seed)
+    out = stream_text_pieces(server.grpc_url, "qwen3_tts_text_stream", ["Hello ", "there."], options, "fp32",
+                             timeout=60)
+    assert out.error and out.error.startswith("InvalidRequest: TEXT: voice cloning takes the whole text"), out.error
+    assert not out.chunks
+    after = stream_request(server.grpc_url, "qwen3_tts", case.inputs(), case.fmt, timeout=240)
+    assert after.error is None and after.chunks
 
 
 BAD_INPUTS = {

@@ -284,8 +284,8 @@ class Qwen3TTSFrontend(SpeechModel):
             raise InvalidRequest("reference_text: the reference clip needs its transcript", field="reference_text")
         reference_text = self._text(reference_text, "reference_text")
         if text_open:
-            raise InvalidRequest("text streaming is not available for voice cloning: the in-context prompt holds "
-                                 "the whole text; send it in one request", field="text")
+            raise InvalidRequest("voice cloning takes the whole text in one request, not in pieces (text "
+                                 "streaming): the in-context prompt holds all of it", field="text")
         if reference_audio is not None:
             reference_codes, x_vector = self.encode_clip(reference_audio)
         checked = self.check_conditioning({"reference_codes": reference_codes, "x_vector": x_vector})
