@@ -11,7 +11,6 @@ generate; a WAV clip through REFERENCE_AUDIO goes through the voice-clone front 
 """
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
