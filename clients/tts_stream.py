@@ -53,12 +53,14 @@ def context_fields(texts: list[str], audio: list[bytes | np.ndarray | str | Path
 
 def make_inputs(text: str | bytes | None, voice: str | None = None, audio_format: str | None = None, *,
                 speaker: int | None = None, context: dict[str, list] | None = None,
-                context_sample_rate: int | None = None, batched: bool = False, **sampling) -> list:
+                context_sample_rate: int | None = None, reference_audio: bytes | str | Path | None = None,
+                reference_text: str | None = None, batched: bool = False, **sampling) -> list:
     """Request tensors by name; sampling keys are the tensor names (TEMPERATURE=0.6, SEED=7, ...).
 
     CSM: `speaker`, and `context` as made by context_fields; CONTEXT_AUDIO items are file bytes, or float32
-    arrays sent as raw samples at `context_sample_rate`. batched: with a leading batch dimension of 1, for a
-    model with max_batch_size > 0 (`<model>_text_stream`).
+    arrays sent as raw samples at `context_sample_rate`. Voice cloning (CosyVoice2, Qwen3-TTS Base):
+    `reference_audio` (file bytes or a path) and its transcript `reference_text`. batched: with a leading batch
+    dimension of 1, for a model with max_batch_size > 0 (`<model>_text_stream`).
     """
     import tritonclient.grpc as grpcclient
 
@@ -85,6 +87,11 @@ def make_inputs(text: str | bytes | None, voice: str | None = None, audio_format
             inputs.append(tensor(name, np.array(raw, dtype=np.object_).reshape(-1), "BYTES"))
     if context_sample_rate is not None:
         inputs.append(tensor("CONTEXT_SAMPLE_RATE", np.array([context_sample_rate], dtype=np.int32), "INT32"))
+    if reference_audio is not None:
+        clip = reference_audio if isinstance(reference_audio, bytes) else Path(reference_audio).read_bytes()
+        inputs.append(text_tensor("REFERENCE_AUDIO", clip))
+    if reference_text is not None:
+        inputs.append(text_tensor("REFERENCE_TEXT", reference_text))
     if audio_format:
         inputs.append(text_tensor("AUDIO_FORMAT", audio_format))
     for name, value in sampling.items():
@@ -415,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stdin", action="store_true",
                     help="text in pieces from stdin: each line read is a piece, EOF ends the utterance")
     add_request_args(ap)
+    ap.add_argument("--reference-audio", default=None,
+                    help="cosyvoice2, qwen3_tts Base: a clip of the voice to clone, WAV/FLAC/OGG at any rate")
+    ap.add_argument("--reference-text", default=None, help="the transcript of --reference-audio")
     ap.add_argument("--format", default="pcm16", choices=("pcm16", "fp32"), help="AUDIO_FORMAT (ensemble)")
     ap.add_argument("--seed", type=int, help="sampling seed; default: the server draws one and returns it (printed)")
     ap.add_argument("--timeout", type=float, default=300.0)
@@ -422,18 +432,21 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         context = context_fields(a.context_text, a.context_audio, a.context_speaker, a.speaker or 0)
+        reference = Path(a.reference_audio).read_bytes() if a.reference_audio else None
     except (ValueError, OSError) as e:
         ap.error(str(e))
     if a.text_pieces is not None or a.stdin:
         if a.text_pieces is not None and a.stdin:
             ap.error("give --text-pieces or --stdin, not both")
         options = make_inputs(None, a.voice, a.format, speaker=a.speaker, context=context, batched=True,
+                              reference_audio=reference, reference_text=a.reference_text,
                               **sampling_fields(a), MAX_TOKENS=a.max_tokens, SEED=a.seed)
         pieces = stdin_pieces() if a.stdin else a.text_pieces.split("|")
         out = stream_text_pieces(a.url, a.model, pieces, options, a.format, a.piece_delay, a.timeout)
     else:
-        inputs = make_inputs(a.text, a.voice, a.format, speaker=a.speaker, context=context, **sampling_fields(a),
-                             MAX_TOKENS=a.max_tokens, SEED=a.seed)
+        inputs = make_inputs(a.text, a.voice, a.format, speaker=a.speaker, context=context,
+                             reference_audio=reference, reference_text=a.reference_text,
+                             **sampling_fields(a), MAX_TOKENS=a.max_tokens, SEED=a.seed)
         out = stream_request(a.url, a.model, inputs, a.format, a.timeout)
     print(report(out) + (" | TTFA from the first piece" if a.text_pieces is not None or a.stdin else ""))
     for message in out.piece_errors:

@@ -126,3 +126,90 @@ def reference_codec(folder):
             return Qwen3TTSTokenizerV2Model.decode(model, codes).audio_values
 
     return decoder, decode
+
+
+@contextlib.contextmanager
+def reference_tokenizer_loading():
+    """While loading the whole reference 12 Hz tokenizer (`Qwen3TTSTokenizerV2Model`, encoder included), three
+    adaptations of qwen-tts-hf to transformers 5.23, undone afterwards:
+    * its Mimi encoder (a MimiModel subclass) drops the decoder half by assigning `upsample = None` and
+      `decoder_transformer = None`, which are read-only properties of MimiModel in 5.23: plain class attributes
+      on the subclass shadow them for the assignment, and the half is dropped as the reference means;
+    * the RoPE "default" entry is the reference's for its own configs and transformers' Mimi one for Mimi's (the
+      reference's reads `config.rope_theta`, which 5.23's Mimi configs keep in `rope_parameters` only);
+    * the released checkpoint's flat Mimi names (`encoder.encoder.layers.*`, `encoder.encoder_transformer.*`,
+      `encoder.downsample.*`) are renamed by transformers' own MimiModel conversion table, registered for the
+      subclass, as it would be for a MimiModel."""
+    import_qwen_tts()
+    from qwen_tts.core.tokenizer_12hz import modeling_qwen3_tts_tokenizer_v2 as tokenizer_module
+    from transformers import MimiConfig
+    from transformers import conversion_mapping
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.mimi.modeling_mimi import MimiRotaryEmbedding
+
+    encoder_cls = tokenizer_module.Qwen3TTSTokenizerV2Encoder
+    reference_init = _reference_rope_init()
+
+    def default_rope(config, device=None, seq_len=None, layer_type=None):
+        if isinstance(config, MimiConfig):
+            return MimiRotaryEmbedding.compute_default_rope_parameters(config, device=device)
+        return reference_init(config, device)
+
+    name = encoder_cls.__name__
+    previous_rope = ROPE_INIT_FUNCTIONS.get("default")
+    ROPE_INIT_FUNCTIONS["default"] = default_rope
+    encoder_cls.upsample = None
+    encoder_cls.decoder_transformer = None
+    conversion_mapping.register_checkpoint_conversion_mapping(
+        name, conversion_mapping.get_checkpoint_conversion_mapping("MimiModel"), overwrite=True)
+    try:
+        yield
+    finally:
+        del encoder_cls.upsample, encoder_cls.decoder_transformer
+        conversion_mapping._checkpoint_conversion_mapping_cache.pop(name, None)
+        conversion_mapping.USER_REGISTERED_MAPPINGS.discard(name)
+        if previous_rope is None:
+            del ROPE_INIT_FUNCTIONS["default"]
+        else:
+            ROPE_INIT_FUNCTIONS["default"] = previous_rope
+
+
+def reference_tokenizer(folder):
+    """(the reference tokenizer wrapper `Qwen3TTSTokenizer` on a speech-tokenizer folder, loading info of the
+    whole `Qwen3TTSTokenizerV2Model` from that folder). The wrapper is what the reference voice-clone prompt encodes
+    reference audio with: feature extractor, then `Qwen3TTSTokenizerV2Model.encode`, after its own transformers-5
+    fix-ups (RoPE buffers, and Mimi attention over the whole clip as transformers 4.57.3 computed it)."""
+    import_qwen_tts()
+    from qwen_tts.core import Qwen3TTSTokenizerV2Model
+    from qwen_tts.inference.qwen3_tts_tokenizer import Qwen3TTSTokenizer
+
+    with reference_tokenizer_loading():
+        _, info = Qwen3TTSTokenizerV2Model.from_pretrained(str(folder), output_loading_info=True)
+        wrapper = Qwen3TTSTokenizer.from_pretrained(str(folder))
+    wrapper.model.eval()
+    return wrapper, info
+
+
+def reference_model(folder):
+    """The reference `Qwen3TTSForConditionalGeneration` built from a checkpoint folder's config.json (a Base config
+    builds its speaker encoder) with the folder's model.safetensors loaded strictly."""
+    from safetensors.torch import load_file
+
+    import_qwen_tts()
+    from qwen_tts.core.models import configuration_qwen3_tts, modeling_qwen3_tts
+
+    config = configuration_qwen3_tts.Qwen3TTSConfig.from_pretrained(str(folder))
+    with reference_rope():
+        model = modeling_qwen3_tts.Qwen3TTSForConditionalGeneration(config).eval()
+    model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
+    return model
+
+
+def transformers_slaney_mel(*, sr, n_fft, n_mels, fmin=0.0, fmax=None):
+    """What `librosa.filters.mel` returns (Slaney scale and norm), from transformers' own `mel_filter_bank`, an
+    implementation independent of ours: the reference speaker-encoder mel (`modeling_qwen3_tts.librosa_mel_fn`,
+    a stand-in in tests) is monkeypatched with it where a test runs `extract_speaker_embedding`."""
+    from transformers.audio_utils import mel_filter_bank
+
+    return mel_filter_bank(n_fft // 2 + 1, n_mels, fmin, sr / 2 if fmax is None else fmax, sr,
+                           norm="slaney", mel_scale="slaney").T.astype("float32")

@@ -17,6 +17,9 @@ class Request:
     arrival: float
     streaming: bool = True  # False: a batch job with no listener; never "pressing" by playback
     conditioning: dict[str, Any] = field(default_factory=dict)  # the Prompt's arrays, for new_codec_state
+    # the prompt positions that are FEATURE rows (ascending) and their vectors [N, hidden], on the device
+    feature_positions: list[int] = field(default_factory=list)
+    features: Any = None
     output_ids: list = field(default_factory=list)  # generated steps: ids, or rows for token_columns > 1
     # the positions after the prompt: what followed each generated step (the model's next_inputs, one or more
     # per step; a preempted request recomputes exactly these); while the model waits for more input

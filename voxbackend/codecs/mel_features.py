@@ -1,10 +1,12 @@
-"""Mel spectrograms of the CosyVoice2 front end, in plain torch (no librosa, no torchaudio).
+"""Mel spectrograms of the voice-cloning front ends, in plain torch (no librosa, no torchaudio).
 
 - `whisper_log_mel`: the S3 tokenizer's input (Whisper's recipe: 16 kHz, 25 ms Hann frames every 10 ms, power
   spectrum, 128 Slaney mel bands, log10 floored 8 decades under the clip's peak, scaled to about [-1, 1]).
-- `flow_mel`: the flow's prompt mel (Matcha-TTS/HiFi-GAN recipe: 24 kHz, 80 ms frames every 20 ms, reflect
-  padded so frame i is centred on sample 480 i + 240, magnitude spectrum, 80 Slaney bands up to 8 kHz, natural
-  log floored at 1e-5).
+- `hifigan_log_mel`: the HiFi-GAN/Matcha-TTS recipe (reflect padded by (n_fft - hop) / 2 on each side and framed
+  without centring, so frame i is centred on sample hop * i + hop / 2; magnitude spectrum; Slaney bands; natural
+  log floored at 1e-5). Two users, two settings:
+  - `flow_mel`: CosyVoice2's flow prompt mel (24 kHz, 80 ms frames every 20 ms, 80 bands up to 8 kHz);
+  - `speaker_mel`: Qwen3-TTS's speaker-encoder input (24 kHz, 1024-sample frames every 256, 128 bands to 12 kHz).
 - `slaney_mel_filters`: the filter bank both use (librosa's default `filters.mel`: Slaney's mel scale, linear
   below 1 kHz and logarithmic above, each triangle normalised to unit area).
 """
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 
 WHISPER_RATE, WHISPER_N_FFT, WHISPER_HOP = 16000, 400, 160
 FLOW_RATE, FLOW_N_FFT, FLOW_HOP, FLOW_MELS, FLOW_FMAX = 24000, 1920, 480, 80, 8000.0
+SPEAKER_RATE, SPEAKER_N_FFT, SPEAKER_HOP, SPEAKER_MELS, SPEAKER_FMAX = 24000, 1024, 256, 128, 12000.0
 
 _LINEAR_HZ_PER_MEL = 200.0 / 3    # Slaney: 3 mels per 200 Hz below 1 kHz
 _LOG_START_HZ = 1000.0
@@ -66,13 +69,25 @@ def whisper_log_mel(audio_16k: torch.Tensor, n_mels: int = 128) -> torch.Tensor:
     return (log_mel + 4.0) / 4.0
 
 
+def hifigan_log_mel(audio: torch.Tensor, sample_rate: int, n_fft: int, hop: int, n_mels: int, fmin: float,
+                    fmax: float) -> torch.Tensor:
+    """float [samples] -> [samples // hop, n_mels] (Hann window of n_fft; needs more than (n_fft - hop) / 2
+    samples, the reflect padding)."""
+    audio = torch.as_tensor(audio, dtype=torch.float32)
+    side = (n_fft - hop) // 2
+    padded = F.pad(audio[None, None], (side, side), mode="reflect")[0]
+    spec = torch.stft(padded, n_fft, hop, win_length=n_fft, window=torch.hann_window(n_fft), center=False,
+                      return_complex=True)[0]
+    magnitude = torch.sqrt(spec.real ** 2 + spec.imag ** 2 + 1e-9)
+    mel = slaney_mel_filters(sample_rate, n_fft, n_mels, fmin, fmax) @ magnitude
+    return mel.clamp(min=1e-5).log().T.contiguous()
+
+
 def flow_mel(audio_24k: torch.Tensor) -> torch.Tensor:
     """float [samples] at 24 kHz -> [samples // 480, 80]: the flow's mel features (its prompt_feat layout)."""
-    audio = torch.as_tensor(audio_24k, dtype=torch.float32)
-    side = (FLOW_N_FFT - FLOW_HOP) // 2
-    padded = F.pad(audio[None, None], (side, side), mode="reflect")[0]
-    spec = torch.stft(padded, FLOW_N_FFT, FLOW_HOP, win_length=FLOW_N_FFT, window=torch.hann_window(FLOW_N_FFT),
-                      center=False, return_complex=True)[0]
-    magnitude = torch.sqrt(spec.real ** 2 + spec.imag ** 2 + 1e-9)
-    mel = slaney_mel_filters(FLOW_RATE, FLOW_N_FFT, FLOW_MELS, 0.0, FLOW_FMAX) @ magnitude
-    return mel.clamp(min=1e-5).log().T.contiguous()
+    return hifigan_log_mel(audio_24k, FLOW_RATE, FLOW_N_FFT, FLOW_HOP, FLOW_MELS, 0.0, FLOW_FMAX)
+
+
+def speaker_mel(audio_24k: torch.Tensor) -> torch.Tensor:
+    """float [samples] at 24 kHz -> [samples // 256, 128]: Qwen3-TTS's speaker-encoder input."""
+    return hifigan_log_mel(audio_24k, SPEAKER_RATE, SPEAKER_N_FFT, SPEAKER_HOP, SPEAKER_MELS, 0.0, SPEAKER_FMAX)

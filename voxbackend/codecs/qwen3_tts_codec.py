@@ -45,6 +45,26 @@ DECODER_DEFAULTS = dict(
     upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2], decoder_dim=1536,
 )
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+KERNEL = 7  # the synthesis stages' causal convs (ConvNeXt depthwise, decoder input / output, residual units)
+DILATIONS = (1, 3, 9)  # of each decoder block's residual units
+
+
+def synthesis_reach_frames(d: dict) -> int:
+    """How many frames back the stages after the transformer see (upsampling, ConvNeXt and the conv decoder:
+    feed-forward causal convolutions): each conv's reach, at its stage's steps per frame, summed; rounded up,
+    plus one frame of margin. Their state after a run of at least this many frames does not depend on what
+    came before it."""
+    steps, reach = 1, 0.0
+    for r in d["upsampling_ratios"]:  # transposed conv with kernel = stride (no overlap), then ConvNeXt
+        steps *= r
+        reach += (KERNEL - 1) / steps
+    reach += (KERNEL - 1) / steps  # decoder input conv
+    for r in d["upsample_rates"]:
+        reach += 1 / steps  # transposed conv, kernel 2r, stride r: the previous input step's overlap
+        steps *= r
+        reach += (KERNEL - 1) * sum(DILATIONS) / steps
+    reach += (KERNEL - 1) / steps  # output conv
+    return math.ceil(reach) + 1
 
 
 @dataclass
@@ -85,7 +105,7 @@ class SnakeBeta(nn.Module):
 class ConvNeXtBlock(nn.Module):
     def __init__(self, dim: int, layout: _Layout):
         super().__init__()
-        self.dwconv = CausalConv1d(dim, dim, 7, layout, groups=dim)
+        self.dwconv = CausalConv1d(dim, dim, KERNEL, layout, groups=dim)
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.pwconv1 = nn.Linear(dim, 4 * dim)
         self.pwconv2 = nn.Linear(4 * dim, dim)
@@ -101,7 +121,7 @@ class ResidualUnit(nn.Module):
     def __init__(self, dim: int, dilation: int, layout: _Layout):
         super().__init__()
         self.act1 = SnakeBeta(dim)
-        self.conv1 = CausalConv1d(dim, dim, 7, layout, dilation=dilation)
+        self.conv1 = CausalConv1d(dim, dim, KERNEL, layout, dilation=dilation)
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv1d(dim, dim, 1, layout)
 
@@ -117,7 +137,7 @@ class DecoderBlock(nn.Module):
         cout = cin // 2
         self.rate = rate
         self.block = nn.ModuleList([SnakeBeta(cin), CausalConvTranspose1d(cin, cout, 2 * rate, rate, layout)]
-                                   + [ResidualUnit(cout, d, layout) for d in (1, 3, 9)])  # indices as checkpoint
+                                   + [ResidualUnit(cout, d, layout) for d in DILATIONS])  # indices as checkpoint
 
     def forward(self, x: torch.Tensor, buf: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """`ends` counts this block's input steps; its outputs are `rate` times as many."""
@@ -223,13 +243,14 @@ class Qwen3TTSCodec(nn.Module):
             nn.ModuleList([CausalConvTranspose1d(latent, latent, r, r, layout), ConvNeXtBlock(latent, layout)])
             for r in d["upsampling_ratios"])
         dim = d["decoder_dim"]
-        blocks: list[nn.Module] = [CausalConv1d(latent, dim, 7, layout)]
+        blocks: list[nn.Module] = [CausalConv1d(latent, dim, KERNEL, layout)]
         for i, rate in enumerate(d["upsample_rates"]):
             blocks.append(DecoderBlock(dim // 2 ** i, rate, layout))
         out_dim = dim // 2 ** len(d["upsample_rates"])
-        blocks += [SnakeBeta(out_dim), CausalConv1d(out_dim, 1, 7, layout)]
+        blocks += [SnakeBeta(out_dim), CausalConv1d(out_dim, 1, KERNEL, layout)]
         self.decoder = nn.ModuleList(blocks)
         self.state_numel = layout.numel
+        self.reach_frames = synthesis_reach_frames(d)
 
     # ---- loading ----
     @classmethod
@@ -292,6 +313,23 @@ class Qwen3TTSCodec(nn.Module):
         return out
 
     @torch.inference_mode()
+    def prime(self, state: Qwen3TTSCodecState, codes: torch.Tensor) -> None:
+        """Advance one stream's state over codes [T, 16] whose audio is not wanted (a voice clone's reference),
+        to where decode_window would leave it: the pre-conv and the transformer see every frame, the synthesis
+        stages only the last `reach_frames` (all they remember), so a long reference costs little more than a
+        short one."""
+        self._check_shape(codes, 2)
+        if not codes.shape[0]:
+            return
+        codes = codes.to(self.codebooks.device)
+        self._check_values(codes)
+        buf = state.buf.view(1, -1)
+        t, tail = codes.shape[0], min(codes.shape[0], self.reach_frames)
+        x = self._latent_frames(codes[None], [state], buf, [t])
+        self._synthesize(x[..., t - tail:], buf, torch.tensor([tail], device=buf.device))
+        state.frames += t
+
+    @torch.inference_mode()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """Whole clips from fresh states: codes [B, T, 16] -> audio [B, T * 1920]."""
         self._check_shape(codes, 3)
@@ -314,11 +352,25 @@ class Qwen3TTSCodec(nn.Module):
         """codes [B, T, 16], row b holding lengths[b] real frames of states[b] (then padding) -> [B, T * 1920]."""
         B = codes.shape[0]
         buf = states[0].buf.view(1, -1) if B == 1 else torch.stack([s.buf for s in states])
+        x = self._synthesize(self._latent_frames(codes, states, buf, lengths), buf,
+                             torch.tensor(lengths, device=buf.device))
+        for b, s in enumerate(states):
+            if B > 1:
+                s.buf.copy_(buf[b])
+            s.frames += lengths[b]
+        return x
+
+    def _latent_frames(self, codes: torch.Tensor, states: list[Qwen3TTSCodecState], buf: torch.Tensor,
+                       lengths: list[int]) -> torch.Tensor:
+        """codes [B, T, 16] -> the transformer's outputs [B, latent, T] (frame rate), advancing its state in buf."""
         dev = buf.device
         ends = torch.tensor(lengths, device=dev)
         start = torch.tensor([s.frames for s in states], device=dev)
         x = self.pre_conv(self.latents(codes).to(buf.dtype), buf, ends)
-        x = self.pre_transformer(x.transpose(1, 2), start, buf, ends).transpose(1, 2)
+        return self.pre_transformer(x.transpose(1, 2), start, buf, ends).transpose(1, 2)
+
+    def _synthesize(self, x: torch.Tensor, buf: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Frame-rate latents [B, latent, T], row b with ends[b] real frames -> audio [B, T * frame_size]."""
         for up, block in self.upsample:
             x = up(x, buf, ends)
             ends = ends * up.stride
@@ -328,8 +380,4 @@ class Qwen3TTSCodec(nn.Module):
             x = blk(x, buf, ends)
             ends = ends * blk.rate
         x = self.decoder[-1](self.decoder[-2](x), buf, ends)
-        for b, s in enumerate(states):
-            if B > 1:
-                s.buf.copy_(buf[b])
-            s.frames += lengths[b]
         return x[:, 0].clamp(-1, 1)

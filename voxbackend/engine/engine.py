@@ -25,7 +25,7 @@ from voxbackend.engine.model_runner import ModelRunner
 from voxbackend.engine.scheduler import make_scheduler, preemption_victim
 from voxbackend.errors import EngineDead, EngineOverloaded, InvalidRequest
 from voxbackend.events import Event, EventKind
-from voxbackend.models.base import Prompt, SpeechModel, as_prompt
+from voxbackend.models.base import FEATURE, Prompt, SpeechModel, as_prompt
 from voxbackend.request import Request
 from voxbackend.sampling_params import SamplingParams
 
@@ -40,6 +40,11 @@ class EngineStats:
     kv_pages_used: int
     kv_pages_total: int
     preemptions: int  # since the engine started: requests whose KV pages were taken back mid-generation
+
+
+def _feature_mask(prompt: np.ndarray) -> np.ndarray:
+    """Which positions of a prompt (ids [L] or rows [L, columns]) are FEATURE rows."""
+    return (prompt if prompt.ndim == 1 else prompt[:, 0]) == FEATURE
 
 
 class Engine:
@@ -96,6 +101,7 @@ class Engine:
         params = prepared.limit((sampling or self.model.default_sampling()).validated())
         conditioning = self.model.check_conditioning(prepared.conditioning)
         prompt, track = self._check_prompt(prepared.ids, text_open)
+        feature_positions, features = self._check_features(prompt, conditioning)
         if params.max_tokens > self.max_tokens_limit:  # refused, not clamped: the client asked for more
             raise InvalidRequest(
                 f"max_tokens is {params.max_tokens}; this server allows at most {self.max_tokens_limit} for "
@@ -112,7 +118,8 @@ class Engine:
             )
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(rid, prompt, params, on_event or (lambda e: None), self.clock(), streaming=streaming,
-                      track=track, conditioning=conditioning, awaiting_input=self.model.waits_for_input(track))
+                      track=track, conditioning=conditioning, awaiting_input=self.model.waits_for_input(track),
+                      feature_positions=feature_positions, features=features)
         with self._lock:
             if len(self.waiting) + len(self._inbox) >= self.config.max_queue:
                 raise EngineOverloaded(f"overloaded: {self.config.max_queue} requests already queued; retry later")
@@ -270,19 +277,37 @@ class Engine:
         prompt = np.asarray(rows, dtype=np.int64).reshape((-1,) if columns == 1 else (-1, columns))
         if not len(prompt):
             raise InvalidRequest("prompt is empty")
+        ids = prompt.copy()  # the ids to range-check: FEATURE rows have none in column 0
+        if columns == 1:
+            ids[_feature_mask(prompt)] = 0
+        else:
+            ids[_feature_mask(prompt), 0] = -1
         if columns == 1:
             vocab = spec.geometry.vocab_size
-            if prompt.min() < 0 or prompt.max() >= vocab:
+            if ids.min() < 0 or ids.max() >= vocab:
                 raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
         else:
             vocab = np.asarray(spec.column_vocab or [spec.geometry.vocab_size] * columns)
-            if (prompt < -1).any() or (prompt >= vocab[None, :]).any():
+            if (ids < -1).any() or (ids >= vocab[None, :]).any():
                 raise InvalidRequest(f"prompt ids of column j must be -1 (absent) or in [0, {list(vocab)}[j])")
         if len(prompt) >= spec.geometry.max_context:
             raise InvalidRequest(
                 f"prompt is {len(prompt)} positions; the model's context is {spec.geometry.max_context}"
             )
         return prompt.tolist(), track
+
+    def _check_features(self, prompt: list, conditioning: dict) -> tuple[list[int], torch.Tensor | None]:
+        """The FEATURE rows of a checked prompt and their vectors from the model, one per row, on the device."""
+        positions = np.flatnonzero(_feature_mask(np.asarray(prompt))).tolist()
+        features = self.model.prompt_features(conditioning)
+        count = 0 if features is None else len(features)
+        if count != len(positions):
+            raise InvalidRequest(f"the prompt has {len(positions)} feature rows; the request's conditioning gives "
+                                 f"{count} feature vectors", field="prompt_ids")
+        if features is None:
+            return [], None
+        vectors = torch.as_tensor(np.asarray(features, dtype=np.float32), device=self.device)
+        return positions, vectors.to(self.config.torch_dtype)
 
     def _drain_inbox(self) -> None:
         with self._lock:

@@ -3,6 +3,7 @@ column of the rows that end their sequence, all on the device (nano-vllm's model
 contract and sampling; admission, KV growth, preemption and streaming are the engine's."""
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import logging
@@ -13,7 +14,7 @@ from voxbackend.attention.base import SeqSlice
 from voxbackend.attention.torch_backend import TorchPagedAttention
 from voxbackend.config import EngineConfig
 from voxbackend.engine.kv_pool import KVPool
-from voxbackend.models.base import SpeechModel
+from voxbackend.models.base import PromptFeatures, SpeechModel
 from voxbackend.request import Request
 from voxbackend.sampling import SamplingBatch, mask_ids, padded_history, sample
 
@@ -36,11 +37,19 @@ class ModelRunner:
         seqs: list[SeqSlice] = []
         sample_rows: list[int] = []
         sampled: list[Request] = []
+        feature_rows: list[int] = []
+        feature_vectors: list[torch.Tensor] = []
         for r, n in plan:
             start = r.num_cached
             ids.extend(r.positions(start, start + n))  # prompt or resumed prefix chunk, or the last step
             positions.extend(range(start, start + n))
             seqs.append(SeqSlice(len(ids) - n, n, start, r.pages))
+            if r.feature_positions:  # the FEATURE rows in this chunk (a recomputed prefix has them all again)
+                at = r.feature_positions
+                lo, hi = bisect.bisect_left(at, start), bisect.bisect_left(at, start + n)
+                if hi > lo:
+                    feature_rows.extend(len(ids) - n + p - start for p in at[lo:hi])
+                    feature_vectors.append(r.features[lo:hi])
             r.num_cached += n
             # this chunk ends the sequence so far (or it is a decode) and the last step's input is in it: a
             # token comes out (a resumed request that waits for text has sampled from that position already)
@@ -49,8 +58,11 @@ class ModelRunner:
                 sampled.append(r)
         self.attention.plan(seqs)
         dev = self.device
+        extra = {}
+        if feature_rows:  # only batches with FEATURE rows: models without prompt features keep their signature
+            extra["features"] = PromptFeatures(torch.tensor(feature_rows, device=dev), torch.cat(feature_vectors))
         hidden = self.model.forward(
-            torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.attention
+            torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.attention, **extra
         )
         if not sampled:
             return []

@@ -6,9 +6,10 @@ Chatterbox) or several codebook columns plus a depth transformer (CSM, Qwen3-TTS
 a column layout). A dual-track model (Qwen3-TTS) makes each next backbone input from the sampled step plus
 per-request state (the next text token): `split_prompt` / `next_input` / `extend_track`; a track may also feed
 several positions after a step, hold the first sample, and set per-request logit rules and stops (CosyVoice2's
-bistream: `next_inputs`, `waits_for_input`, `constrain_logits`, `ends`). Speech-to-speech models
-(GLM-4-Voice, Step-Audio-2) will need one more hook: per-position audio-encoder features in the prompt; it is not
-part of the contract yet.
+bistream: `next_inputs`, `waits_for_input`, `constrain_logits`, `ends`). A prompt position whose input is a vector
+rather than ids (Qwen3-TTS Base: the x-vector speaker embedding; speech-to-speech models: audio-encoder features)
+is a FEATURE row: the model returns the request's vectors from its conditioning (`prompt_features`), and `forward`
+receives them at those rows of the flattened batch (`features`).
 """
 from __future__ import annotations
 
@@ -112,6 +113,18 @@ class WindowJob:
 # A prompt row whose column 0 is QUEUED is not a position: its last column is an id queued for the model's
 # next inputs (the dual track's text), which `split_prompt` moves into the request's input track.
 QUEUED = -2
+# A prompt row whose column 0 (for a one-column model: whose id) is FEATURE is a position whose backbone-side input
+# is a vector: the request's next prompt feature row (SpeechModel.prompt_features), in prompt order. Ids in its
+# other columns (a text column) still add their embeddings.
+FEATURE = -3
+
+
+@dataclass(frozen=True)
+class PromptFeatures:
+    """The FEATURE rows of one flattened batch: where they are and what goes there."""
+
+    rows: torch.Tensor  # [F] long: indices into the batch's flattened positions
+    vectors: torch.Tensor  # [F, hidden]: each row's input vector
 
 
 class SpeechModel:
@@ -198,12 +211,20 @@ class SpeechModel:
             out[arg] = value
         return out
 
+    def prompt_features(self, conditioning: dict[str, np.ndarray]) -> np.ndarray | None:
+        """The vectors of a request's FEATURE prompt rows, [N, hidden] in prompt order, from its checked conditioning;
+        None: the model takes none. Raises InvalidRequest naming the field. Runs at submission."""
+        return None
+
     def default_sampling(self) -> SamplingParams:
         return SamplingParams()
 
     # --- LM ---
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend) -> torch.Tensor:
-        """Flattened batch: input_ids [T] (or [T, token_columns]), positions [T] -> hidden states [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
+                features: PromptFeatures | None = None) -> torch.Tensor:
+        """Flattened batch: input_ids [T] (or [T, token_columns]), positions [T] -> hidden states [T, hidden].
+        `features` (only for models with prompt_features, only in batches that hold FEATURE rows): the vectors that
+        are the inputs of those rows."""
         raise NotImplementedError
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -103,9 +103,14 @@ class Qwen3TTSTalker:
             x = x.index_add(0, has_text, self.project_text(text[has_text]))
         return x
 
-    def forward(self, rows: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
-        """Flattened batch: rows [T, num_code_groups + 1], positions [T] -> final-normed hidden states [T, hidden]."""
-        return self.backbone.forward_embeds(self.embed(rows), positions, attention)
+    def forward(self, rows: torch.Tensor, positions: torch.Tensor, attention, features=None) -> torch.Tensor:
+        """Flattened batch: rows [T, num_code_groups + 1], positions [T] -> final-normed hidden states [T, hidden].
+        `features` (PromptFeatures): vectors added at FEATURE rows (Base: the x-vector, where CustomVoice embeds
+        the speaker id; their column 0 embeds nothing)."""
+        x = self.embed(rows)
+        if features is not None:
+            x = x.index_add(0, features.rows, features.vectors.to(x.dtype))
+        return self.backbone.forward_embeds(x, positions, attention)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (hidden @ self.codec_head.T).float()

@@ -3,7 +3,9 @@ predictor on the device, and the exactly streaming 12 Hz codec (one state per re
 
 Sampling of codebook 0 follows the reference generate: ids 2048-3071 other than EOS are suppressed (only the 2048
 codes and EOS are candidates) and EOS is masked in the first MIN_NEW_TOKENS frames. Codebooks 1-15 are sampled by
-the predictor with the request's temperature, top-k and top-p, without repetition penalty.
+the predictor with the request's temperature, top-k and top-p, without repetition penalty. Base checkpoints
+(voice cloning) add the reference x-vector at the prompt's FEATURE row and start each stream's codec state after
+the reference codes.
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ class Qwen3TTS(Qwen3TTSFrontend):
         self.candidates = torch.cat([torch.arange(codes), torch.tensor([self.eos])]).to(device)  # ascending
 
     # ---------------------------------------------------------------- LM
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
-        return self.talker.forward(input_ids, positions, attention)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention, features=None) -> torch.Tensor:
+        return self.talker.forward(input_ids, positions, attention, features)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.talker.logits(hidden)
@@ -50,7 +52,14 @@ class Qwen3TTS(Qwen3TTSFrontend):
 
     # ---------------------------------------------------------------- codec
     def new_codec_state(self, conditioning):
-        return self.codec.new_state()
+        """Base: the state after the reference clip's codes (decoded, the audio dropped), so the stream continues
+        the reference's decode of reference codes + generated codes with the reference part cut off. Priming runs
+        the synthesis stages over the reference's last frames only (Qwen3TTSCodec.prime)."""
+        state = self.codec.new_state()
+        reference = conditioning.get("reference_codes")
+        if reference is not None:
+            self.codec.prime(state, torch.as_tensor(reference, dtype=torch.long, device=self.device))
+        return state
 
     def detokenize(self, jobs: list[WindowJob]) -> list[np.ndarray]:
         """Windows of different requests (any lengths) in one codec call, each continuing its request's state."""

@@ -1,6 +1,6 @@
-"""A tiny random Qwen3-TTS-12Hz checkpoint in the official Hugging Face layout (CustomVoice or VoiceDesign).
+"""A tiny random Qwen3-TTS-12Hz checkpoint in the official Hugging Face layout (CustomVoice, VoiceDesign or Base).
 
-    python -m voxbackend.tools.tiny_qwen3_tts --out DIR [--variant custom_voice|voice_design] [--seed N]
+    python -m voxbackend.tools.tiny_qwen3_tts --out DIR [--variant custom_voice|voice_design|base] [--seed N]
 
 Writes config.json (`Qwen3TTSForConditionalGeneration` with a talker_config and its code_predictor_config, the
 released 12 Hz codec ids), generation_config.json (the official sampling defaults), model.safetensors under the
@@ -49,6 +49,12 @@ TALKER = dict(vocab_size=3072, hidden_size=64, intermediate_size=128, num_hidden
 PREDICTOR = dict(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=16, hidden_act="silu", num_code_groups=16, rope_theta=1e6,
                  max_position_embeddings=64, rms_norm_eps=1e-6, attention_bias=False)
+# the released Base speaker encoder's structure (4 TDNN/SE-Res2Net widths + the aggregation width, Res2Net scale 8,
+# kernels and dilations as released), narrowed; enc_dim is set to the talker's hidden size in tiny_config
+SPEAKER_ENCODER = dict(mel_dim=128, enc_channels=[32, 32, 32, 32, 96], enc_kernel_sizes=[5, 3, 3, 3, 1],
+                       enc_dilations=[1, 2, 3, 4, 1], enc_attention_channels=16, enc_res2net_scale=8,
+                       enc_se_channels=16, sample_rate=24000)
+VARIANTS = ("custom_voice", "voice_design", "base")
 GENERATION = dict(do_sample=True, top_k=50, top_p=1.0, temperature=0.9, repetition_penalty=1.05,
                   subtalker_dosample=True, subtalker_top_k=50, subtalker_top_p=1.0, subtalker_temperature=0.9,
                   max_new_tokens=2048)
@@ -96,13 +102,16 @@ def tiny_config(variant: str, ids: dict[str, int], model_size: str = "1b7") -> d
                   spk_id=dict(SPEAKERS) if variant == "custom_voice" else {},
                   spk_is_dialect=dict(DIALECTS) if variant == "custom_voice" else {},
                   codec_language_id=dict(LANGUAGES))
-    return {
+    cfg = {
         "architectures": ["Qwen3TTSForConditionalGeneration"], "model_type": "qwen3_tts",
         "tts_model_type": variant, "tts_model_size": model_size, "tokenizer_type": "qwen3_tts_tokenizer_12hz",
         "im_start_token_id": ids["<|im_start|>"], "im_end_token_id": ids["<|im_end|>"],
         "tts_pad_token_id": ids["<tts_pad>"], "tts_bos_token_id": ids["<tts_text_bos>"],
         "tts_eos_token_id": ids["<tts_text_eod>"], "talker_config": talker, "torch_dtype": "float32",
     }
+    if variant == "base":
+        cfg["speaker_encoder_config"] = dict(SPEAKER_ENCODER, enc_dim=TALKER["hidden_size"])
+    return cfg
 
 
 def _decoder_shapes(prefix: str, cfg: dict) -> dict[str, tuple[int, ...]]:
@@ -144,6 +153,36 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     if p["hidden_size"] != h:  # the reference uses an identity when the widths match
         shapes["talker.code_predictor.small_to_mtp_projection.weight"] = (p["hidden_size"], h)
         shapes["talker.code_predictor.small_to_mtp_projection.bias"] = (p["hidden_size"],)
+    if "speaker_encoder_config" in cfg:
+        shapes.update(speaker_encoder_shapes(cfg["speaker_encoder_config"]))
+    return shapes
+
+
+def speaker_encoder_shapes(se: dict) -> dict[str, tuple[int, ...]]:
+    """The ECAPA-TDNN speaker encoder under `speaker_encoder.`, as the reference's state dict names it: a TDNN,
+    SE-Res2Net blocks (1x1 TDNN, scale - 1 dilated TDNNs on channel groups, 1x1 TDNN, squeeze-excitation), the
+    aggregation TDNN over the blocks' concatenated outputs, attentive statistics pooling and a 1x1 projection.
+    Every TDNN is one conv with a bias."""
+    ch, ks, scale, se_ch = se["enc_channels"], se["enc_kernel_sizes"], se["enc_res2net_scale"], se["enc_se_channels"]
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def conv(name: str, cout: int, cin: int, kernel: int) -> None:
+        shapes[f"speaker_encoder.{name}.weight"] = (cout, cin, kernel)
+        shapes[f"speaker_encoder.{name}.bias"] = (cout,)
+
+    conv("blocks.0.conv", ch[0], se["mel_dim"], ks[0])
+    for i in range(1, len(ch) - 1):
+        b = f"blocks.{i}."
+        conv(b + "tdnn1.conv", ch[i], ch[i - 1], 1)
+        for j in range(scale - 1):
+            conv(b + f"res2net_block.blocks.{j}.conv", ch[i] // scale, ch[i] // scale, ks[i])
+        conv(b + "tdnn2.conv", ch[i], ch[i], 1)
+        conv(b + "se_block.conv1", se_ch, ch[i], 1)
+        conv(b + "se_block.conv2", ch[i], se_ch, 1)
+    conv("mfa.conv", ch[-1], sum(ch[1:-1]), ks[-1])
+    conv("asp.tdnn.conv", se["enc_attention_channels"], ch[-1] * 3, 1)
+    conv("asp.conv", ch[-1], se["enc_attention_channels"], 1)
+    conv("fc", se["enc_dim"], ch[-1] * 2, 1)
     return shapes
 
 
@@ -157,6 +196,8 @@ def _draw(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tens
             t = torch.randn(shape, generator=g) * 0.1
         elif "embedding" in name:
             t = torch.randn(shape, generator=g)
+        elif len(shape) == 3:  # conv [out, in, kernel]
+            t = torch.randn(shape, generator=g) * 1.5 * (shape[1] * shape[2]) ** -0.5
         else:
             t = torch.randn(shape, generator=g) * 1.5 * shape[-1] ** -0.5
         out[name] = t.contiguous()
@@ -168,8 +209,8 @@ def write_tiny_qwen3_tts(out_dir: str | Path, variant: str = "custom_voice", see
     """`model_size` is the tts_model_size tag: "0b6" CustomVoice takes no instruct (the architecture stays tiny)."""
     from safetensors.torch import save_file
 
-    if variant not in ("custom_voice", "voice_design"):
-        raise ValueError(f"variant must be custom_voice or voice_design, got {variant!r}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = tiny_config(variant, _write_tokenizer(out), model_size)
@@ -208,7 +249,7 @@ def ensure_default_qwen3_tts(root: str | Path | None = None) -> tuple[Path, None
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--variant", default="custom_voice", choices=("custom_voice", "voice_design"))
+    ap.add_argument("--variant", default="custom_voice", choices=VARIANTS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-size", default="1b7", choices=("1b7", "0b6"), help="tts_model_size tag")
     args = ap.parse_args()

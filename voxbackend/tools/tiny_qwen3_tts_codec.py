@@ -13,7 +13,9 @@ cluster usages, unit-gain convs and linears, scales near 1. The last conv is sca
 to audio peaking near 0.9, below the decoder's final clamp: absolute tolerances in tests mean what they say.
 
 The encoder half (`encoder.*`, the Mimi encoder that Base checkpoints use for reference audio) is drawn at a tiny
-size under the released checkpoint's flat Mimi names (what voxbackend.codecs.mimi_encoder loads).
+size under the released checkpoint's flat Mimi names (what voxbackend.codecs.mimi_encoder loads), with the
+preprocessor_config.json of its input front end (transformers' EncodecFeatureExtractor: mono 24 kHz, no chunking),
+which the reference tokenizer wrapper reads before encoding.
 """
 from __future__ import annotations
 
@@ -40,6 +42,11 @@ TINY_ENCODER = dict(
     head_dim=8, hidden_act="gelu", max_position_embeddings=8000, norm_eps=1e-5, layer_scale_initial_scale=0.01,
     rope_theta=10000.0, sliding_window=250, _frame_rate=12.5,
 )
+
+
+PREPROCESSOR = dict(feature_extractor_type="EncodecFeatureExtractor", feature_size=1, sampling_rate=24000,
+                    padding_value=0.0, padding_side="right", return_attention_mask=True, chunk_length_s=None,
+                    overlap=None)
 
 
 def tiny_config(**decoder_overrides) -> dict:
@@ -165,6 +172,8 @@ def write_tiny_qwen3_tts_codec(out_dir: str | Path, seed: int = 0, encoder: bool
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if encoder:
+        (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
     return out
 
 
