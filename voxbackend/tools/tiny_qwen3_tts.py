@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from voxbackend.tools.checkpoint_cache import build_once, cache_root
 from voxbackend.tools.tiny_qwen3_tts_codec import write_tiny_qwen3_tts_codec
 
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
@@ -226,23 +224,8 @@ def ensure_default_qwen3_tts(root: str | Path | None = None) -> tuple[Path, None
     0.6B, so INSTRUCT is refused there; the parity tests cover 1.7B CustomVoice and VoiceDesign), built
     once into `<VOXBACKEND_CACHE>-qwen3-tts` through a temporary folder and an atomic rename. The codec is the
     checkpoint's speech_tokenizer/ folder, so there is no codec folder."""
-    if root is None:
-        base = Path(os.environ.get("VOXBACKEND_CACHE") or Path.home() / ".cache" / "voxbackend" / "default")
-        root = base.with_name(base.name + "-qwen3-tts")
-    root = Path(root)
-    if not (root / ".complete").exists():
-        root.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
-        try:
-            write_tiny_qwen3_tts(tmp / "qwen3_tts", seed=0, model_size="0b6")
-            (tmp / ".complete").write_text("ok\n")
-            try:
-                os.rename(tmp, root)
-            except OSError:
-                if not (root / ".complete").exists():
-                    raise RuntimeError(f"{root} exists but is not a complete checkpoint; delete it and retry")
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    root = cache_root("-qwen3-tts") if root is None else root
+    root = build_once(root, lambda out: write_tiny_qwen3_tts(out / "qwen3_tts", seed=0, model_size="0b6"))
     return root / "qwen3_tts", None
 
 
