@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 import provenance  # perf/provenance.py (engine_bench put perf/ on sys.path)
+from burst import run_burst  # perf/burst.py
 
 sys.path.insert(0, str(provenance.REPO_ROOT / "tests"))
 SAMPLE_RATE = 24000
@@ -133,34 +133,12 @@ class Naive:
 
 
 def run_engine_burst(engine, jobs: list[Job]) -> tuple[float, list[Result]]:
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    samples: dict[str, int] = {}
-    tokens: dict[str, int] = {}
-    done = threading.Event()
-    lock = threading.Lock()
-    from voxbackend import EventKind
-
-    def on_event(e) -> None:  # engine thread: bookkeeping only
-        now = time.perf_counter()
-        with lock:
-            if e.kind is EventKind.AUDIO:
-                first.setdefault(e.request_id, now)
-                last[e.request_id] = now
-                samples[e.request_id] = samples.get(e.request_id, 0) + len(e.audio)
-            if e.final:
-                tokens[e.request_id] = sum(1 for t in e.token_ids or [] if not engine.model.is_stop(t))
-                if len(tokens) == len(jobs):
-                    done.set()
-
     defaults = engine.model.default_sampling()
-    t0 = time.perf_counter()
-    ids = [engine.submit(j.prompt, dataclasses.replace(defaults, max_tokens=j.max_tokens, seed=j.seed), on_event)
-           for j in jobs]
-    done.wait()
-    wall = time.perf_counter() - t0
-    return wall, [Result(first.get(i, t0) - t0, last.get(i, t0) - t0, samples.get(i, 0) / SAMPLE_RATE, tokens[i])
-                  for i in ids]
+    wall, done = run_burst(engine, [(j.prompt, dataclasses.replace(defaults, max_tokens=j.max_tokens, seed=j.seed))
+                                    for j in jobs])
+    stop = engine.model.is_stop
+    return wall, [Result(r.ttfa, r.service, r.samples / SAMPLE_RATE,
+                         sum(1 for t in r.final.token_ids or [] if not stop(t))) for r in done]
 
 
 class Timers:

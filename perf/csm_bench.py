@@ -8,7 +8,6 @@ CSM's default sampling (temperature 0.9, top_k 50 on backbone and depth decoder)
 """
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 import provenance  # perf/provenance.py (engine_bench put perf/ on sys.path)
+from burst import run_burst  # perf/burst.py
 
 SAMPLE_RATE = 24000
 FRAME_S = 0.08
@@ -57,34 +57,12 @@ def run_naive(model, prepare, req: tuple[str, int, int], frames: int) -> Result:
 
 
 def run_engine_burst(engine, reqs: list[tuple[str, int, int]], frames: int) -> tuple[float, list[Result]]:
-    from voxbackend import EventKind, SamplingParams
+    from voxbackend import SamplingParams
 
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    samples: dict[str, int] = {}
-    done = threading.Event()
-    lock = threading.Lock()
-
-    def on_event(e) -> None:  # engine thread: bookkeeping only
-        now = time.perf_counter()
-        with lock:
-            if e.kind is EventKind.AUDIO:
-                first.setdefault(e.request_id, now)
-                last[e.request_id] = now
-                samples[e.request_id] = samples.get(e.request_id, 0) + len(e.audio)
-            if e.final:
-                finished.add(e.request_id)
-                if len(finished) == len(reqs):
-                    done.set()
-
-    finished: set[str] = set()
-    prompts = [engine.model.prepare(text, speaker) for text, speaker, _ in reqs]
-    t0 = time.perf_counter()
-    ids = [engine.submit(p, SamplingParams(max_tokens=frames, seed=seed, **SAMPLING), on_event)
-           for p, (_, _, seed) in zip(prompts, reqs)]
-    done.wait()
-    wall = time.perf_counter() - t0
-    return wall, [Result(first.get(i, t0) - t0, last.get(i, t0) - t0, samples.get(i, 0) / SAMPLE_RATE) for i in ids]
+    wall, done = run_burst(engine, [(engine.model.prepare(text, speaker),
+                                     SamplingParams(max_tokens=frames, seed=seed, **SAMPLING))
+                                    for text, speaker, seed in reqs])
+    return wall, [Result(r.ttfa, r.service, r.samples / SAMPLE_RATE) for r in done]
 
 
 def _p90(xs: list[float]) -> float:

@@ -11,7 +11,6 @@ frame budget. The reference is imported through tests/qwen_tts_oracle.py (qwen-t
 from __future__ import annotations
 
 import sys
-import threading
 import time
 import types
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 import provenance  # perf/provenance.py (engine_bench put perf/ on sys.path)
+from burst import run_burst  # perf/burst.py
 
 sys.path.insert(0, str(provenance.REPO_ROOT / "tests"))
 SAMPLE_RATE = 24000
@@ -88,35 +88,11 @@ class Naive:
 def run_engine_burst(engine, reqs: list[tuple[str, str, int]], frames: int) -> tuple[float, list[Result]]:
     import dataclasses
 
-    from voxbackend import EventKind
-
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    samples: dict[str, int] = {}
-    finished: set[str] = set()
-    done = threading.Event()
-    lock = threading.Lock()
-
-    def on_event(e) -> None:  # engine thread: bookkeeping only
-        now = time.perf_counter()
-        with lock:
-            if e.kind is EventKind.AUDIO:
-                first.setdefault(e.request_id, now)
-                last[e.request_id] = now
-                samples[e.request_id] = samples.get(e.request_id, 0) + len(e.audio)
-            if e.final:
-                finished.add(e.request_id)
-                if len(finished) == len(reqs):
-                    done.set()
-
     defaults = engine.model.default_sampling()
-    prompts = [engine.model.prepare(text, voice) for text, voice, _ in reqs]
-    t0 = time.perf_counter()
-    ids = [engine.submit(p, dataclasses.replace(defaults, max_tokens=frames, seed=seed), on_event)
-           for p, (_, _, seed) in zip(prompts, reqs)]
-    done.wait()
-    wall = time.perf_counter() - t0
-    return wall, [Result(first.get(i, t0) - t0, last.get(i, t0) - t0, samples.get(i, 0) / SAMPLE_RATE) for i in ids]
+    wall, done = run_burst(engine, [(engine.model.prepare(text, voice),
+                                     dataclasses.replace(defaults, max_tokens=frames, seed=seed))
+                                    for text, voice, seed in reqs])
+    return wall, [Result(r.ttfa, r.service, r.samples / SAMPLE_RATE) for r in done]
 
 
 def _p90(xs: list[float]) -> float:
