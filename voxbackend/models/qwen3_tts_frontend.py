@@ -32,11 +32,10 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer
 
 from voxbackend.errors import InvalidRequest
-import numpy as np
-
 from voxbackend.models.base import FEATURE, QUEUED, ModelSpec, Prompt, SpeechModel, WindowSpec
 from voxbackend.models.checkpoint import read_config
 from voxbackend.models.qwen3_tts import talker_decoder_config
