@@ -6,6 +6,7 @@ queue.
 """
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -26,7 +27,7 @@ import tritonclient.grpc as tritonclient  # noqa: E402
 
 from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
-from voxbackend.triton.server import free_port  # noqa: E402
+from voxbackend.triton.server import SHM_DIR, TritonServer, free_port  # noqa: E402
 from tests.triton_util import serve  # noqa: E402
 
 FAKE = {
@@ -202,9 +203,10 @@ FAKE_BUSY = Busy({**FAKE, "max_batch": "2"}, "a long stream " * 28, 7000, 70)
 REAL_BUSY = Busy({"kv_pages": "64", "max_queue": "8", "playback_margin_s": "1000"}, "hello " * 100, 600, 35)
 
 
-def _serve_busy_then_sigint(tmp_path: Path, busy: Busy) -> tuple[int, float, str, dict[str, StreamOutcome]]:
+def _serve_busy_then_sigint(tmp_path: Path, busy: Busy) -> tuple[int, float, str, dict[str, StreamOutcome], int]:
     """`voxbackend serve` with streams running, queued, cancelled while queued, and refused then cancelled; SIGINT.
-    Returns the launcher's exit code, seconds from SIGINT to its exit, its output and each open stream's outcome."""
+    Returns the launcher's exit code, seconds from SIGINT to its exit, its output, each open stream's outcome and
+    the server's gRPC port."""
     ports = [free_port() for _ in range(3)]
     cmd = [sys.executable, "-m", "voxbackend.cli", "serve", "--models", "orpheus", "--work-dir", str(tmp_path),
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
@@ -248,11 +250,11 @@ def _serve_busy_then_sigint(tmp_path: Path, busy: Busy) -> tuple[int, float, str
         if serve_proc.poll() is None:
             serve_proc.kill()
     reader.join(5)
-    return code, took, "".join(lines), outs
+    return code, took, "".join(lines), outs, ports[1]
 
 
 def _assert_stopped_cleanly(tmp_path: Path, code: int, took: float, log: str, outs: dict[str, StreamOutcome],
-                            within_s: float) -> None:
+                            grpc_port: int, within_s: float) -> None:
     assert code == 0, log[-3000:]
     assert "stopped (exit 0)" in log
     for name in ("running ensemble", "running direct", "queued ensemble", "queued direct"):
@@ -260,6 +262,8 @@ def _assert_stopped_cleanly(tmp_path: Path, code: int, took: float, log: str, ou
         assert out.error is None and out.finish_reason == "shutdown" and out.late_responses == 0, (name, out.error)
     assert outs["running ensemble"].chunks and outs["running direct"].chunks
     assert not _stubs_of(tmp_path), f"left running after the launcher exited: {_stubs_of(tmp_path)}"
+    # the stubs Triton keeps for the refused request are killed: their shared memory must not stay in /dev/shm
+    assert not list(SHM_DIR.glob(f"voxbackend_*_{grpc_port}_*")), "shared-memory regions left behind"
     assert took < within_s, f"voxbackend serve took {took:.1f} s to stop:\n{log[-3000:]}"
 
 
@@ -272,3 +276,22 @@ def test_serve_stops_the_real_engine_cleanly_and_quickly_when_busy(tmp_path):
     took 1.5-4 s per stub (Triton unloads a model's instances one after another), and so did the launcher's:
     a busy stop took 8-13 s. Now every stream ends with "shutdown" and the launcher exits within a few seconds."""
     _assert_stopped_cleanly(tmp_path, *_serve_busy_then_sigint(tmp_path, REAL_BUSY), within_s=6)
+
+
+def test_a_killed_server_leaves_no_shared_memory_behind(tmp_path):
+    """tritonserver and its stubs killed at once (a crash, an OOM kill): the Python backend never unlinks its
+    regions, and tmpfs keeps them in memory. stop() removes this server's, and only this server's."""
+    repo = configs.write_repository(tmp_path / "model_repository", FAKE, models=["orpheus"])
+    other = SHM_DIR / "voxbackend_1_1_not_this_servers"
+    other.write_bytes(b"x")
+    srv = TritonServer(repo, log_file=tmp_path / "tritonserver.log", work_dir=tmp_path / "work").start(timeout=120)
+    try:
+        regions = list(SHM_DIR.glob(srv.shm_prefix + "*"))
+        assert len(regions) >= 2, regions  # one per stub: the ensemble's steps each have one
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+    finally:
+        srv.stop()
+        assert other.exists()
+        other.unlink()
+    assert not list(SHM_DIR.glob(srv.shm_prefix + "*"))
+    assert "shared-memory region(s) that killed stubs left" in (tmp_path / "tritonserver.log").read_text()

@@ -118,6 +118,9 @@ def _running(pid: int) -> bool:
         return False
 
 
+SHM_DIR = Path("/dev/shm")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -167,8 +170,15 @@ class TritonServer:
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
             "--allow-gpu-metrics=false" if not Path("/dev/nvidia0").exists() else "--allow-gpu-metrics=true",
-            "--exit-timeout-secs=15", f"--log-verbose={self.log_verbose}", *self.extra_args,
+            "--exit-timeout-secs=15", f"--log-verbose={self.log_verbose}",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}", *self.extra_args,
         ]
+
+    @property
+    def shm_prefix(self) -> str:
+        """The names of this server's Python-backend shared-memory regions in /dev/shm start with this (unique
+        while it runs: its gRPC port), so stop() can find what a killed stub or server left behind."""
+        return f"voxbackend_{os.getpid()}_{self.grpc_port}_"
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
         install = find_tritonserver()
@@ -256,12 +266,22 @@ class TritonServer:
         deadline = time.monotonic() + 10
         while any(_running(pid) for pid in left) and time.monotonic() < deadline:
             time.sleep(0.05)
+        self._remove_shm_regions()
         if stopping:
             self._note(f"stopped {time.monotonic() - t0:.1f} s after the stop began")
         self._log.close()
         code = self.proc.returncode if code is None else code
         self.proc = None
         return code
+
+    def _remove_shm_regions(self) -> None:
+        """The Python backend unlinks its regions when a stub exits normally; a stub killed (above, or by anyone)
+        leaves them in /dev/shm, which is memory, for good: a few MB per stopped server."""
+        left = sorted(SHM_DIR.glob(self.shm_prefix + "*"))
+        for path in left:
+            path.unlink(missing_ok=True)
+        if left:
+            self._note(f"removed {len(left)} shared-memory region(s) that killed stubs left in {SHM_DIR}")
 
     def _wait_streams_closed(self, timeout: float = 5.0, settle_s: float = 0.3) -> float | None:
         """Until the engines report no open stream, then a moment for the final responses to pass the ensemble's
