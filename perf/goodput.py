@@ -40,23 +40,28 @@ def parse_target(s: str) -> Target:
     return Target(name, url, model)
 
 
-def sweep(target: Target, rates: list[float], prompts: list[str], duration: float, *, seed: int,
+def sweep(targets: list[Target], rates: list[float], prompts: list[str], duration: float, *, seed: int,
           burstiness: float, opts: RequestOptions, ttfa_p90: float, stall_free: float,
-          stop_after_failures: int, request_timeout: float, log=print) -> tuple[dict[float, dict], dict]:
-    """Rates in increasing order; stops after `stop_after_failures` consecutive rates miss the targets
-    (load past saturation only takes longer and tells nothing new). Returns summaries and raw timelines."""
-    results, raw, misses = {}, {}, 0
+          stop_after_failures: int, request_timeout: float, log=print) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Rates in increasing order, the targets taking turns at each rate, so that every ratio compares runs made
+    minutes apart (this shared machine's speed drifts over a sweep). A target leaves the sweep after
+    `stop_after_failures` consecutive rates miss the targets (load past saturation only takes longer and tells
+    nothing new). Returns {target name: {rate: summary}} and {target name: {rate: raw timelines}}."""
+    results = {t.name: {} for t in targets}
+    raw = {t.name: {} for t in targets}
+    misses = {t.name: 0 for t in targets}
     for rate in sorted(rates):
-        tls = run_load(target.url, target.model, prompts, rate, duration, burstiness=burstiness, seed=seed,
-                       opts=opts, request_timeout=request_timeout)
-        s = summarize(tls)
-        results[rate], raw[rate] = s, [t.to_dict() for t in tls]
-        ok = meets_targets(s, ttfa_p90, stall_free)
-        log(f"[{target.name}] rate {rate:g}: n={s['count']} err={s['errors']} "
-            f"ttfa p90={s['ttfa_p90_s']} stall-free={s['stall_free_pct']} -> {'ok' if ok else 'miss'}")
-        misses = 0 if ok else misses + 1
-        if stop_after_failures and misses >= stop_after_failures:
-            break
+        for t in targets:
+            if stop_after_failures and misses[t.name] >= stop_after_failures:
+                continue
+            tls = run_load(t.url, t.model, prompts, rate, duration, burstiness=burstiness, seed=seed,
+                           opts=opts, request_timeout=request_timeout)
+            s = summarize(tls)
+            results[t.name][rate], raw[t.name][rate] = s, [x.to_dict() for x in tls]
+            ok = meets_targets(s, ttfa_p90, stall_free)
+            log(f"[{t.name}] rate {rate:g}: n={s['count']} err={s['errors']} "
+                f"ttfa p90={s['ttfa_p90_s']} stall-free={s['stall_free_pct']} -> {'ok' if ok else 'miss'}")
+            misses[t.name] = 0 if ok else misses[t.name] + 1
     return results, raw
 
 
@@ -142,12 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     opts = RequestOptions(voice=a.voice, max_tokens=a.max_tokens, sampling_seed=a.sampling_seed,
                           sampling={"TEMPERATURE": a.temperature})
     prompts, rates = load_prompts(a.prompts), parse_rates(a.rates)
-    results, raw = {}, {}
-    for t in targets:
-        results[t.name], raw[t.name] = sweep(
-            t, rates, prompts, a.duration, seed=a.seed, burstiness=a.burstiness, opts=opts,
-            ttfa_p90=a.ttfa_p90, stall_free=a.stall_free, stop_after_failures=a.stop_after_failures,
-            request_timeout=a.request_timeout)
+    results, raw = sweep(targets, rates, prompts, a.duration, seed=a.seed, burstiness=a.burstiness, opts=opts,
+                         ttfa_p90=a.ttfa_p90, stall_free=a.stall_free, stop_after_failures=a.stop_after_failures,
+                         request_timeout=a.request_timeout)
 
     prov = provenance(a, targets)
     out = Path(a.out)

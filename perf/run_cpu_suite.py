@@ -484,19 +484,16 @@ class Suite:
     def s_goodput(self) -> None:
         st = self.st
         opts = RequestOptions(max_tokens=st.max_tokens, sampling_seed=st.seed)
-        results: dict[str, dict[float, dict]] = {}
-        raw: dict[str, dict[float, list[dict]]] = {}
         targets = [gp.Target("engine", self.engine_srv.grpc_url, "orpheus")]
         naive_srv = naive_triton.start_server(str(self.model_dir), str(self.codec_dir), work_dir=self.work / "naive")
         targets.append(gp.Target("naive", naive_srv.grpc_url, naive_triton.MODEL_NAME))
         try:
-            for t in targets:
-                # stop on the TTFA target alone (stall-free 0): the secondary goodput needs that range too
-                results[t.name], raw[t.name] = gp.sweep(
-                    t, st.rates, self.prompts, st.duration, seed=st.seed, burstiness=1.0, opts=opts,
-                    ttfa_p90=st.ttfa_p90, stall_free=0.0, stop_after_failures=2,
-                    request_timeout=st.request_timeout, log=lambda m: self.log("  " + m))
-                self.data.setdefault("goodput", {})[t.name] = {str(r): s for r, s in results[t.name].items()}
+            # engine and naive take turns at each rate; stop on the TTFA target alone (stall-free 0): the
+            # secondary goodput needs that range too
+            results, raw = gp.sweep(targets, st.rates, self.prompts, st.duration, seed=st.seed, burstiness=1.0,
+                                    opts=opts, ttfa_p90=st.ttfa_p90, stall_free=0.0, stop_after_failures=2,
+                                    request_timeout=st.request_timeout, log=lambda m: self.log("  " + m))
+            self.data["goodput"] = {n: {str(r): s for r, s in res.items()} for n, res in results.items()}
         finally:
             naive_srv.stop()
         self.goodput_results = results
@@ -509,7 +506,9 @@ class Suite:
                  f"served engines with first_chunk_s = {st.first_chunk_s:g} s, "
                  f"request i reads a prompt of perf/data/prompts.txt (seeded choice) with SEED {st.seed} + i, "
                  f"max_tokens {st.max_tokens}, official sampling defaults (temperature 0.6, top_p 0.8, "
-                 "repetition_penalty 1.3). A sweep stops after two consecutive rates miss the TTFA target.", "",
+                 "repetition_penalty 1.3). Engine and naive take turns at each rate (both servers up, one loaded at a "
+                 "time), so each ratio compares runs minutes apart. A target's sweep stops after two consecutive "
+                 "rates miss the TTFA target.", "",
                  "### Goodput targets (docs/metrics.md)", "", gp.goodput_table(results, st.ttfa_p90, st.stall_free, "naive"), "",
                  "### TTFA target only (stall-free target 0%: no streaming-viability requirement)", "",
                  gp.goodput_table(results, st.ttfa_p90, 0.0, "naive"), "",

@@ -60,3 +60,24 @@ def test_ablation_table_shows_each_seeds_stall_free_share():
                                  {"online @ 0.8 req/s": [dict(s, stall_free_pct=70.0), dict(s, stall_free_pct=90.0)]})
     lines = table.splitlines()
     assert lines[0].endswith("stall-free % per seed |") and lines[2].endswith("| 1.50 | 70.0, 90.0 |")
+
+
+def test_goodput_sweep_interleaves_targets_by_rate_and_drops_one_after_two_misses(monkeypatch):
+    import goodput as gp
+
+    calls = []
+
+    def fake_run_load(url, model, prompts, rate, duration, **kw):
+        calls.append((model, rate))
+        ttfa = 0.2 if model == "engine" or rate < 1.0 else 3.0  # naive misses from 1 req/s on
+        return [suite.StreamTimeline(send_time=0.0, chunks=[(ttfa, 0.1), (ttfa + 0.05, 0.1)], end_time=ttfa + 0.05)]
+
+    monkeypatch.setattr(gp, "run_load", fake_run_load)
+    targets = [gp.Target("engine", "e:1", "engine"), gp.Target("naive", "n:1", "naive")]
+    results, raw = gp.sweep(targets, [2.0, 0.5, 1.0, 4.0], ["hi"], 1.0, seed=0, burstiness=1.0, opts=None,
+                            ttfa_p90=1.0, stall_free=0.0, stop_after_failures=2, request_timeout=5.0,
+                            log=lambda m: None)
+    assert calls == [("engine", 0.5), ("naive", 0.5), ("engine", 1.0), ("naive", 1.0), ("engine", 2.0),
+                     ("naive", 2.0), ("engine", 4.0)]
+    assert sorted(results["engine"]) == [0.5, 1.0, 2.0, 4.0] and sorted(results["naive"]) == [0.5, 1.0, 2.0]
+    assert results["naive"][1.0]["ttfa_p90_s"] == pytest.approx(3.0) and len(raw["naive"][2.0]) == 1
