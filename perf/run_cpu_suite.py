@@ -80,7 +80,9 @@ class Settings:
     duration: float = 30.0
     ttfa_p90: float = 1.0
     stall_free: float = 0.99
-    ablation_rate: float | None = None  # None: the engine's TTFA-only goodput rate (see choose_ablation_rate)
+    ablation_rates: list[float] | None = None  # None: the knee of the engine's sweep and the next rate
+    player_buffers: list[float] = field(default_factory=lambda: [0.5, 1.0])  # ablation: stall-free again for
+    # players that start once this much audio is in (the same streams, judged after their startup buffer)
     ablation_duration: float = 30.0
     ablation_seeds: list[int] = field(default_factory=lambda: [1, 2])  # arrival seeds (seed + k), for the spread
     pa_count: int = 6  # requests per count window; 3 windows per level (stability check off: see s_pa)
@@ -131,13 +133,16 @@ def ablation_table(rows: dict[str, dict], per_seed: dict[str, list[dict]] | None
     def ms(v): return "-" if v is None else f"{1000 * v:.0f}"
     def pct(v): return "-" if v is None else f"{v:.1f}"
     seeds = per_seed is not None
-    lines = ["| policy | requests | errors | TTFA p50 (ms) | p90 | p99 | on-time chunks % | stall-free % "
-             "| x real time |" + (" stall-free % per seed |" if seeds else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if seeds else "")]
+    buffers = sorted({b for s in rows.values() for b in s.get("stall_free_pct_after", {})})
+    lines = ["| policy | requests | errors | TTFA p50 (ms) | p90 | p99 | on-time chunks % | stall-free % | "
+             + "".join(f"stall-free after {b:g} s | " for b in buffers)
+             + "x real time |" + (" stall-free % per seed |" if seeds else ""),
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(buffers) + "---|" + ("---|" if seeds else "")]
     for label, s in rows.items():
         xrt = "-" if s.get("x_real_time") is None else f"{s['x_real_time']:.2f}"
+        after = "".join(f"{pct(s.get('stall_free_pct_after', {}).get(b))} | " for b in buffers)
         line = (f"| {label} | {s['count']} | {s['errors']} | {ms(s['ttfa_p50_s'])} | {ms(s['ttfa_p90_s'])} | "
-                f"{ms(s['ttfa_p99_s'])} | {pct(s['on_time_chunk_pct'])} | {pct(s['stall_free_pct'])} | {xrt} |")
+                f"{ms(s['ttfa_p99_s'])} | {pct(s['on_time_chunk_pct'])} | {pct(s['stall_free_pct'])} | {after}{xrt} |")
         if seeds:
             line += " " + ", ".join(pct(x["stall_free_pct"]) for x in per_seed.get(label, [])) + " |"
         lines.append(line)
@@ -522,8 +527,8 @@ class Suite:
     def s_ablation(self) -> None:
         st = self.st
         engine_res = getattr(self, "goodput_results", {}).get("engine")
-        if st.ablation_rate is not None:
-            rates = [st.ablation_rate]
+        if st.ablation_rates:
+            rates = list(st.ablation_rates)
         elif engine_res:
             rates = ablation_rates(engine_res, choose_ablation_rate(engine_res, st.ttfa_p90))
         else:
@@ -544,6 +549,8 @@ class Suite:
                         pooled += tls
                     # the seeds ran one after another: the pooled row's wall is the sum of theirs
                     rows[label] = summarize(pooled, wall_s=sum(x["wall_s"] or 0.0 for x in per_seed[label]))
+                    rows[label]["stall_free_pct_after"] = {
+                        b: summarize(pooled, startup_s=b)["stall_free_pct"] for b in st.player_buffers}
                     self.log(f"  {label}: {json.dumps({k: rows[label][k] for k in ('count', 'ttfa_p90_s', 'stall_free_pct')})}")
             finally:
                 if srv is not self.engine_srv:
@@ -556,10 +563,13 @@ class Suite:
             f"{st.max_tokens}) against one server per policy (`--set policy=...`): `online` = streaming-aware "
             "(pressing streams first, windows deferred while a buffer is thick), `fcfs` = plain continuous "
             "batching, `offline` = largest LM batch, detokenize in bulk, `voxserve` = VoxServe's published online "
-            "policy (docs/scheduling.md). Rates: the highest goodput-sweep rate at which the engine met the p90 "
-            "TTFA target with >= 80% of chunks on time (just below the knee) and the next swept rate (above it). "
-            "Each row pools its seeds' requests (x real time: their audio over their summed walls); the last "
-            "column is each seed's own stall-free share (the spread).", "", ablation_table(rows, per_seed), ""])
+            "policy (docs/scheduling.md). Rates: " + ("given with --ablation-rates" if st.ablation_rates else
+            "the highest goodput-sweep rate at which the engine met the p90 TTFA target with >= 80% of chunks on "
+            "time (just below the knee) and the next swept rate (above it)") + ". "
+            "Each row pools its seeds' requests (x real time: their audio over their summed walls). Stall-free "
+            "counts from the first audio (docs/metrics.md); the columns 'after X s' judge the same streams for a "
+            "player that starts once X s of audio is in (startup buffer, as real players do). The last column is "
+            "each seed's own stall-free share (the spread).", "", ablation_table(rows, per_seed), ""])
 
     def s_overhead(self) -> None:
         st = self.st
@@ -646,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=None, help="seconds of arrivals per rate")
     ap.add_argument("--ttfa-p90", type=float, default=None, help="p90 TTFA target, seconds (default 1.0)")
     ap.add_argument("--stall-free", type=float, default=None, help="stall-free share target (default 0.99)")
-    ap.add_argument("--ablation-rate", type=float, default=None, help="default: chosen from the goodput sweep")
+    ap.add_argument("--ablation-rates", default=None, help="comma-separated req/s; default: chosen from the "
+                    "goodput sweep (its knee and the next rate)")
     ap.add_argument("--overhead-sizes", default=None, help="comma-separated, default tiny,bench")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--first-chunk-s", type=float, default=None, help="engine first_chunk_s for the served engines")
@@ -655,11 +666,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=str(HERE / "results"))
     a = ap.parse_args(argv)
     st = Settings.quick_settings() if a.quick else Settings()
-    for name in ("size", "duration", "ttfa_p90", "stall_free", "ablation_rate", "seed", "first_chunk_s"):
+    for name in ("size", "duration", "ttfa_p90", "stall_free", "seed", "first_chunk_s"):
         if getattr(a, name) is not None:
             setattr(st, name, getattr(a, name))
     if a.rates:
         st.rates = [float(x) for x in a.rates.split(",")]
+    if a.ablation_rates:
+        st.ablation_rates = [float(x) for x in a.ablation_rates.split(",")]
     if a.overhead_sizes:
         st.overhead_sizes = a.overhead_sizes.split(",")
     st.skip = [x for x in a.skip.split(",") if x]

@@ -47,6 +47,15 @@ def test_ablation_table_has_one_row_per_policy():
     assert "| fcfs | 10 | 0 | - |" in lines[3]
 
 
+def test_ablation_table_shows_stall_free_for_players_with_a_startup_buffer():
+    s = {"count": 10, "errors": 0, "ttfa_p50_s": 0.2, "ttfa_p90_s": 0.5, "ttfa_p99_s": 0.9,
+         "on_time_chunk_pct": 97.5, "stall_free_pct": 80.0, "x_real_time": 1.5,
+         "stall_free_pct_after": {0.5: 90.0, 1.0: 100.0}}
+    lines = suite.ablation_table({"online": s}).splitlines()
+    assert "| stall-free % | stall-free after 0.5 s | stall-free after 1 s | x real time |" in lines[0]
+    assert lines[1].count("---") == 11 and lines[2].endswith("| 80.0 | 90.0 | 100.0 | 1.50 |")
+
+
 def test_ablation_runs_at_the_knee_and_the_next_rate_above():
     res = {0.4: {}, 0.8: {}, 1.6: {}, 2.4: {}}
     assert suite.ablation_rates(res, 0.8) == [0.8, 1.6]
