@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's test command: sets up the environment, then runs the whole suite (CPU only, about 10-12 minutes
+# The project's test command: sets up the environment, then runs the whole suite (CPU only, about 10-13 minutes
 # on 2 cores) and lists its slowest tests, so the suite's time stays visible.
 # Two pytest workers (VOXBACKEND_TEST_WORKERS), each taking whole test files (module fixtures such as one
 # tritonserver per file stay in one worker): run one by one, the suite kept about one core busy.
