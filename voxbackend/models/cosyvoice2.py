@@ -176,10 +176,8 @@ class CosyVoice2Frontend(SpeechModel):
         if room < 1:
             raise InvalidRequest(f"prompt is {len(ids)} tokens; the model's context is "
                                  f"{self.spec.geometry.max_context}", field="text")
-        conditioning = {"prompt_speech_tokens": np.asarray(prompt_speech, dtype=np.int32),
-                        "prompt_feat": np.asarray(prompt_feat, dtype=np.float32),
-                        "speaker_embedding": np.asarray(embedding, dtype=np.float32).reshape(-1)}
-        return Prompt(ids, conditioning, min_tokens=int(len(text_ids) * MIN_TOKEN_TEXT_RATIO),
+        return Prompt(ids, _voice_conditioning(prompt_speech, prompt_feat, embedding),
+                      min_tokens=int(len(text_ids) * MIN_TOKEN_TEXT_RATIO),
                       max_tokens=min(max_tokens, room))
 
     def build_bistream_prompt(self, text_ids: list[int], prompt_text_ids: list[int], prompt_speech: list[int],
@@ -192,10 +190,7 @@ class CosyVoice2Frontend(SpeechModel):
         if room < 1:
             raise InvalidRequest(f"prompt is {len(ids)} tokens; the model's context is "
                                  f"{self.spec.geometry.max_context}", field="text")
-        conditioning = {"prompt_speech_tokens": np.asarray(prompt_speech, dtype=np.int32),
-                        "prompt_feat": np.asarray(prompt_feat, dtype=np.float32),
-                        "speaker_embedding": np.asarray(embedding, dtype=np.float32).reshape(-1)}
-        return Prompt(ids, conditioning, max_tokens=min(MAX_TOKENS, room))
+        return Prompt(ids, _voice_conditioning(prompt_speech, prompt_feat, embedding), max_tokens=min(MAX_TOKENS, room))
 
     # ---------------------------------------------------------------- text streaming (engine thread)
     def text_piece_ids(self, text: str) -> list[int]:
@@ -335,3 +330,10 @@ class CosyVoice2(CosyVoice2Frontend):
             if job.index == 0:  # the request's HiFT excitation noise follows its seed
                 job.state.generator.manual_seed(job.seed)
         return [a.numpy().astype(np.float32, copy=False) for a in self.codec.decode([j.state for j in jobs])]
+
+
+def _voice_conditioning(prompt_speech: list[int], prompt_feat: np.ndarray, embedding: np.ndarray) -> dict:
+    """A request's conditioning from its voice: what the flow decoder needs besides the LM's tokens."""
+    return {"prompt_speech_tokens": np.asarray(prompt_speech, dtype=np.int32),
+            "prompt_feat": np.asarray(prompt_feat, dtype=np.float32),
+            "speaker_embedding": np.asarray(embedding, dtype=np.float32).reshape(-1)}
