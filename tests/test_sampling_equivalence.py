@@ -2,7 +2,10 @@
 
 `reference_sample` is that sampler, kept here verbatim as the specification. The fast path sorts values only
 and looks the drawn value up; ties and NaN rows go back to a full sort. Logits below cover flat and peaked rows,
-heavy ties, -inf, signed zeros, NaN, candidate id sets and every truncation parameter.
+heavy ties, -inf, signed zeros, NaN, candidate id sets and every truncation parameter. The value sort has two
+implementations (numpy's, where it has its AVX-512 sort; a radix sort of int32 order keys elsewhere): the
+`value_sort` fixture runs each test under both, whatever this machine's CPU. The repetition penalty is checked
+against transformers' own processor.
 """
 import itertools
 
@@ -39,6 +42,12 @@ def reference_sample(logits: torch.Tensor, batch: SamplingBatch, token_ids: torc
 
 
 VOCAB = 156940
+
+
+@pytest.fixture(params=["numpy", "radix"])
+def value_sort(request, monkeypatch):
+    monkeypatch.setattr(sampling, "_NUMPY_SIMD_SORT", request.param == "numpy")
+    return request.param
 
 
 def _params(g: torch.Generator, n: int, c: int) -> list[SamplingParams]:
@@ -81,7 +90,7 @@ def _candidates(g: torch.Generator, b: int, c: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind, c", [("flat", 4097), ("peaked", 4097), ("ties", 4097), ("mixed", 300),
                                      ("flat", 7), ("ties", 33), ("peaked", 300)])
-def test_same_tokens_as_the_full_sort_sampler(kind, c):
+def test_same_tokens_as_the_full_sort_sampler(kind, c, value_sort):
     g = torch.Generator().manual_seed(hash((kind, c)) % 2**31)
     b = 12
     for trial in range(3):
@@ -112,7 +121,7 @@ def test_ties_take_the_full_sort_and_others_do_not(monkeypatch):
     assert torch.equal(sample(tied, batch), reference_sample(tied, batch)) and calls == [8]
 
 
-def test_nan_rows_match_the_reference():
+def test_nan_rows_match_the_reference(value_sort):
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(5))
     logits[1, 17] = float("nan")
     logits[3] = float("nan")
@@ -122,7 +131,7 @@ def test_nan_rows_match_the_reference():
         assert torch.equal(sample(logits, batch), reference_sample(logits, batch))
 
 
-def test_the_sort_path_equals_the_value_path():
+def test_the_sort_path_equals_the_value_path(value_sort):
     """Other devices take the full sort (no host sync); on the CPU both give the same columns."""
     g = torch.Generator().manual_seed(9)
     for kind, b in itertools.product(["flat", "peaked", "ties", "mixed"], [1, 5, 32]):
@@ -130,3 +139,38 @@ def test_the_sort_path_equals_the_value_path():
         d = sampling._Draw(torch.randint(0, 60, (b,), generator=g), torch.rand(b, generator=g).clamp(min=0.05),
                            torch.rand(b, generator=g) * 0.2, torch.rand(b, generator=g))
         assert torch.equal(sampling._draw_by_value(scaled, d), sampling._draw_by_sort(scaled, d)), (kind, b)
+
+
+def test_both_value_sorts_give_torch_sorted_values(value_sort):
+    g = torch.Generator().manual_seed(11)
+    x = _logits(g, "mixed", 6, 500)
+    x[0, :3] = torch.tensor([float("inf"), -0.0, 0.0])
+    x[1] = -x[1]
+    got = sampling._sorted_descending(x)
+    want = torch.sort(x, dim=-1, descending=True).values
+    assert torch.equal(got, want)  # -0.0 == 0.0: equal values wherever the signed zeros land
+    nan_rows = x.clone()
+    nan_rows[2, 7] = float("nan")
+    nan_rows[3, 9] = -float("nan")  # sign bit set: the int32 keys put it at the other end
+    ends = sampling._sorted_descending(nan_rows)[:, [0, -1]]
+    assert ends.isnan().any(dim=-1).tolist() == [False, False, True, True, False, False]
+
+
+def test_penalty_equals_the_transformers_processor():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    g = torch.Generator().manual_seed(12)
+    b, c = 6, 1000
+    logits = torch.randn(b, c, generator=g) * 3
+    logits[:, :4] = torch.tensor([0.0, -0.0, float("-inf"), 5.0])
+    penalties = [1.3, 0.7, 1.0, 2.5, 1.3, 1.1]
+    histories = [torch.randint(c, (n,), generator=g).tolist() for n in (0, 1, 7, 40, 300, 40)]
+    histories[3] += [0, 1, 2, 3, 3, 3]  # signed zeros, -inf, repeats
+    params = [SamplingParams(temperature=1.0, repetition_penalty=p).validated() for p in penalties]
+    batch = SamplingBatch.build(params, [0] * b, histories, c, "cpu")
+    got = apply_repetition_penalty(logits, batch.history, batch.penalty, None, c)
+    for r in range(b):
+        want = logits[r:r + 1].clone()
+        if histories[r]:
+            want = RepetitionPenaltyLogitsProcessor(penalties[r])(torch.tensor([histories[r]]), want)
+        assert torch.equal(got[r:r + 1], want), r
