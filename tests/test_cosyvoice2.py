@@ -178,7 +178,10 @@ def test_synthesize_equals_upstream_lm_then_upstream_streaming(engine, voice, re
             assert len(chunks) > 1
             want = torch.cat(chunks).numpy()
             assert got.shape == want.shape and 0.01 < want.std()
-            np.testing.assert_allclose(got, want, atol=ATOL, rtol=ATOL)  # float rounding of differently batched ops
+            # float rounding of differently batched ops, grown through the flow's ODE steps and HiFT: on AVX2 hosts
+            # single samples differ by up to 3e-4 (at a peak near 1), the whole signal by 3e-5 of its norm
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) < ATOL
+            np.testing.assert_allclose(got, want, atol=10 * ATOL, rtol=0)
     finally:
         engine.shutdown()
 

@@ -37,6 +37,7 @@ from voxbackend.models.qwen3_tts_voice_clone import Qwen3TTSVoiceClone, VoiceClo
 from voxbackend.tools.tiny_qwen3_tts import write_tiny_qwen3_tts
 
 TOL = 1e-5
+EMBEDDING_RTOL = 2e-6  # of the embedding's largest value: about 16 float32 roundings (3e-7 seen)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
@@ -150,7 +151,9 @@ def test_speaker_embedding_equals_reference(ecapa, ref_model, reference_mel):
         ours = ecapa.embed(torch.from_numpy(audio))
         theirs = ref_model.extract_speaker_embedding(audio, 24000)
         assert ours.shape == theirs.shape == (64,) and ours.dtype == torch.float32
-        assert (ours - theirs).abs().max() < TOL, (ours - theirs).abs().max()
+        # values reach ~50, so float32 rounding alone is ~6e-6 per op; AVX2 and AVX-512 kernels round differently
+        error = (ours - theirs).abs().max() / theirs.abs().max()
+        assert error < EMBEDDING_RTOL, error
         embeddings.append(ours)
     e = torch.stack(embeddings)
     assert e.std() > 0.5  # spread over units, so 1e-5 is tight
