@@ -209,12 +209,13 @@ def _sorts_by_value(scaled: torch.Tensor) -> bool:
 
 
 def _numpy_sorts_with_simd() -> bool:
-    """Whether numpy's sort runs its AVX-512 quicksort (x86-simd-sort), about 10x faster than its scalar one."""
-    try:
-        from numpy.core._multiarray_umath import __cpu_features__ as features
-    except ImportError:  # numpy >= 2
-        from numpy._core._multiarray_umath import __cpu_features__ as features
-    return bool(features.get("AVX512_SKX"))
+    """Whether np.sort runs a SIMD quicksort on float32 rows (several times faster than its scalar one): numpy 2
+    has one for AVX2 and AVX-512 CPUs, numpy 1.x (what tritonclient 2.51 allows) for AVX-512 only."""
+    if int(np.__version__.split(".")[0]) >= 2:
+        return True
+    from numpy.core._multiarray_umath import __cpu_features__
+
+    return bool(__cpu_features__.get("AVX512_SKX"))
 
 
 _NUMPY_SIMD_SORT = _numpy_sorts_with_simd()
@@ -227,9 +228,9 @@ def _order_keys(bits: np.ndarray) -> np.ndarray:
 
 
 def _sorted_descending(scaled: torch.Tensor) -> torch.Tensor:
-    """Each row's values, sorted descending. Where numpy lacks its SIMD sort (AVX2-only CPUs), float32 rows are
-    radix-sorted instead, about 2x faster: numpy's stable argsort of 16-bit keys is a radix sort, so two of them
-    (the keys' low halves, then their high halves) order the int32 keys."""
+    """Each row's values, sorted descending. Where numpy has no SIMD sort (numpy 1.x on AVX2-only CPUs), float32
+    rows are radix-sorted instead, about 2x faster: numpy's stable argsort of 16-bit keys is a radix sort, so two
+    of them (the keys' low halves, then their high halves) order the int32 keys."""
     values = scaled.detach().numpy()
     if _NUMPY_SIMD_SORT or values.dtype != np.float32:
         return torch.from_numpy(np.sort(values, axis=-1)).flip(-1)
