@@ -3,7 +3,7 @@
 `reference_sample` is that sampler, kept here verbatim as the specification. The fast path sorts values only
 and looks the drawn value up; ties and NaN rows go back to a full sort. Logits below cover flat and peaked rows,
 heavy ties, -inf, signed zeros, NaN, candidate id sets and every truncation parameter. The value sort has two
-implementations (numpy's, where it has its AVX-512 sort; a radix sort of int32 order keys elsewhere): the
+implementations (numpy's, where it has a SIMD sort; a radix sort of int32 order keys elsewhere): the
 `value_sort` fixture runs each test under both, whatever this machine's CPU. The repetition penalty is checked
 against transformers' own processor.
 """
