@@ -48,13 +48,15 @@ class Settings:
     max_batch: int
     detok_batch: int
     policies: tuple[str, ...] = POLICIES
+    detok_margin_s: float = 0.15  # the online policy's (EngineConfig's default)
 
 
 def run_cell(st: Settings, wl: Workload, policy: str, **engine) -> list[dict]:
     """One summary per seed."""
     out = []
     for seed in st.seeds:
-        res = simulate(policy, wl, st.cost, seed, max_batch=st.max_batch, detok_batch=st.detok_batch, **engine)
+        res = simulate(policy, wl, st.cost, seed, max_batch=st.max_batch, detok_batch=st.detok_batch,
+                       detok_margin_s=st.detok_margin_s, **engine)
         summary = summarize(res.timelines, startup_s=wl.startup_s)
         summary["ttfas_s"] = [t for t in map(ttfa, res.timelines) if t is not None]  # for the CDF plot
         out.append(summary)
@@ -173,7 +175,7 @@ def plot_timeline(st: Settings, wl: Workload, path: Path, policies=("online", "f
     fig, axes = plt.subplots(len(policies), 1, figsize=(8, 3 * len(policies)), sharex=True)
     for ax, policy in zip(np.atleast_1d(axes), policies):
         res = simulate(policy, wl, st.cost, st.seeds[0], max_batch=st.max_batch, detok_batch=st.detok_batch,
-                       record=True)
+                       detok_margin_s=st.detok_margin_s, record=True)
         for points in res.buffers.values():
             t, b = zip(*points)
             ax.plot(t, b, lw=0.6, alpha=0.6)
@@ -202,6 +204,7 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--stall-free", type=float, default=0.99)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--detok-batch", type=int, default=16)
+    ap.add_argument("--detok-margin", type=float, default=0.15, help="the online policy's detok_margin_s")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
@@ -216,7 +219,8 @@ def main(argv: list[str] | None = None) -> Path:
     seeds = (0,) if a.quick else tuple(int(s) for s in a.seeds.split(","))
     rates = tuple(float(r) for r in a.rates.split(",")) if a.rates else default_rates(cost, a.max_batch)
     st = Settings(cost, seeds, 10.0 if a.quick else a.duration, rates[::2] if a.quick else rates,
-                  a.ttfa_p90, a.stall_free, a.max_batch, a.detok_batch, tuple(a.policies.split(",")))
+                  a.ttfa_p90, a.stall_free, a.max_batch, a.detok_batch, tuple(a.policies.split(",")),
+                  a.detok_margin)
     info = collect()
     stem = result_filename("policy", info)[: -len(".md")]
     out_dir = a.out / stem
@@ -271,7 +275,8 @@ def report(st: Settings, info: dict, sweep, gps, results, stem: str, wall_s: flo
         f"- cost model: {c.name}: LM step {1000 * c.lm_fixed:.2f} ms + {1000 * c.lm_per_token:.3f} ms/token, "
         f"codec call {1000 * c.detok_fixed:.2f} ms + {1000 * c.detok_per_window:.3f} ms/window, engine "
         f"{1000 * c.step_overhead:.2f} ms/step ({c.source})",
-        f"- engine: max_batch {st.max_batch}, detok_batch {st.detok_batch}, playback_margin_s 1.0, defaults "
+        f"- engine: max_batch {st.max_batch}, detok_batch {st.detok_batch}, playback_margin_s 1.0, detok_margin_s "
+        f"{st.detok_margin_s:g} (online), defaults "
         "otherwise",
         "- dataset: lengths drawn per request (2-6 s of audio; 'mixed': 70% 0.5-1.5 s, 30% 10-20 s), 40-token "
         "prompts",

@@ -30,3 +30,17 @@ def test_overload_stalls_and_policies_differ():
     voxserve = summarize(simulate("voxserve", wl, COST, seed=0).timelines)
     assert online["stall_free_pct"] < 100.0
     assert online != voxserve
+
+
+def test_the_detok_margin_reaches_the_online_policy():
+    """A thinner margin lets windows pile up into fewer, larger codec calls; a margin longer than any stream makes
+    every ready window urgent (decoded at once)."""
+    wl = Workload("poisson", rate=6.0, duration_s=4.0)
+
+    def codec_calls(margin: float) -> list[int]:
+        steps = simulate("online", wl, COST, seed=1, detok_margin_s=margin, record=True).steps
+        return [s.detok_windows for s in steps if s.detok_windows]
+
+    thin, thick = codec_calls(0.15), codec_calls(100.0)
+    assert sum(thin) == sum(thick)  # the same windows, every one decoded
+    assert len(thin) < len(thick)
