@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> Path:
                   a.ttfa_p90, a.stall_free, a.max_batch, a.detok_batch, tuple(a.policies.split(",")),
                   a.detok_margin)
     info = collect()
-    stem = result_filename("policy", info)[: -len(".md")]
+    tool = "policy" if a.detok_margin == 0.15 else f"policy-detok-margin-{a.detok_margin:g}"
+    stem = result_filename(tool, info)[: -len(".md")]
     out_dir = a.out / stem
     out_dir.mkdir(parents=True, exist_ok=True)
     study = Study(st, out_dir)
