@@ -159,8 +159,10 @@ class SimResult:
 
 def simulate(policy: str, workload: Workload, cost: CostModel, seed: int, *, max_batch: int = 32,
              kv_pages: int = 100_000, detok_batch: int = 16, first_chunk_s: float = 0.0,
-             playback_margin_s: float = 1.0, detok_margin_s: float = 0.15, record: bool = False,
-             horizon_s: float = 600.0) -> SimResult:
+             playback_margin_s: float = 1.0, detok_margin_s: float = 0.15, delivery_jitter_s: float = 0.0,
+             record: bool = False, horizon_s: float = 600.0) -> SimResult:
+    """delivery_jitter_s: mean of an exponential delay between the engine's event and the client's receipt of
+    each chunk (the serving path: Triton, the postprocess model, gRPC), chunks kept in order; 0: none."""
     from clients.stream_metrics import StreamTimeline
 
     clock = SimClock()
@@ -175,15 +177,18 @@ def simulate(policy: str, workload: Workload, cost: CostModel, seed: int, *, max
     if record:
         _instrument(engine, result, clock)
     pending = workload.arrivals(seed)
+    jitter = np.random.default_rng([seed, 1])  # its own stream: the arrivals do not change with it
     timelines: dict[str, StreamTimeline] = {}
 
     def on_event(rid: str):
         def handle(e):
             tl = timelines[rid]
             if e.kind is EventKind.AUDIO:
-                tl.chunks.append((clock.now, len(e.audio) / SAMPLE_RATE))
+                arrival = clock.now + (jitter.exponential(delivery_jitter_s) if delivery_jitter_s else 0.0)
+                arrival = max(arrival, tl.chunks[-1][0]) if tl.chunks else arrival
+                tl.chunks.append((arrival, len(e.audio) / SAMPLE_RATE))
             elif e.final:
-                tl.end_time, tl.finish_reason = clock.now, e.finish_reason
+                tl.end_time, tl.finish_reason = max([clock.now] + [t for t, _ in tl.chunks[-1:]]), e.finish_reason
                 if e.kind is EventKind.ERROR:
                     tl.error = e.error
         return handle

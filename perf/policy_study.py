@@ -49,6 +49,12 @@ class Settings:
     detok_batch: int
     policies: tuple[str, ...] = POLICIES
     detok_margin_s: float = 0.15  # the online policy's (EngineConfig's default)
+    first_chunk_s: float = 0.0  # EngineConfig.first_chunk_s
+    delivery_jitter_s: float = 0.0  # mean delay from the engine's event to the client (policy_sim.simulate)
+
+    def engine_options(self) -> dict:
+        return {"detok_margin_s": self.detok_margin_s, "first_chunk_s": self.first_chunk_s,
+                "delivery_jitter_s": self.delivery_jitter_s}
 
 
 def run_cell(st: Settings, wl: Workload, policy: str, **engine) -> list[dict]:
@@ -56,7 +62,7 @@ def run_cell(st: Settings, wl: Workload, policy: str, **engine) -> list[dict]:
     out = []
     for seed in st.seeds:
         res = simulate(policy, wl, st.cost, seed, max_batch=st.max_batch, detok_batch=st.detok_batch,
-                       detok_margin_s=st.detok_margin_s, **engine)
+                       **st.engine_options(), **engine)
         summary = summarize(res.timelines, startup_s=wl.startup_s)
         summary["ttfas_s"] = [t for t in map(ttfa, res.timelines) if t is not None]  # for the CDF plot
         out.append(summary)
@@ -175,7 +181,7 @@ def plot_timeline(st: Settings, wl: Workload, path: Path, policies=("online", "f
     fig, axes = plt.subplots(len(policies), 1, figsize=(8, 3 * len(policies)), sharex=True)
     for ax, policy in zip(np.atleast_1d(axes), policies):
         res = simulate(policy, wl, st.cost, st.seeds[0], max_batch=st.max_batch, detok_batch=st.detok_batch,
-                       detok_margin_s=st.detok_margin_s, record=True)
+                       **st.engine_options(), record=True)
         for points in res.buffers.values():
             t, b = zip(*points)
             ax.plot(t, b, lw=0.6, alpha=0.6)
@@ -205,6 +211,9 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--detok-batch", type=int, default=16)
     ap.add_argument("--detok-margin", type=float, default=0.15, help="the online policy's detok_margin_s")
+    ap.add_argument("--first-chunk", type=float, default=0.0, help="the engine's first_chunk_s")
+    ap.add_argument("--delivery-jitter", type=float, default=0.0,
+                    help="mean (exponential) delay of each chunk between the engine and the client, seconds")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
@@ -220,9 +229,11 @@ def main(argv: list[str] | None = None) -> Path:
     rates = tuple(float(r) for r in a.rates.split(",")) if a.rates else default_rates(cost, a.max_batch)
     st = Settings(cost, seeds, 10.0 if a.quick else a.duration, rates[::2] if a.quick else rates,
                   a.ttfa_p90, a.stall_free, a.max_batch, a.detok_batch, tuple(a.policies.split(",")),
-                  a.detok_margin)
+                  a.detok_margin, a.first_chunk, a.delivery_jitter)
     info = collect()
-    tool = "policy" if a.detok_margin == 0.15 else f"policy-detok-margin-{a.detok_margin:g}"
+    tool = "policy" + (f"-detok-margin-{a.detok_margin:g}" if a.detok_margin != 0.15 else "") + (
+        f"-first-chunk-{a.first_chunk:g}" if a.first_chunk else "") + (
+        f"-jitter-{a.delivery_jitter:g}" if a.delivery_jitter else "")
     stem = result_filename(tool, info)[: -len(".md")]
     out_dir = a.out / stem
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -277,10 +288,13 @@ def report(st: Settings, info: dict, sweep, gps, results, stem: str, wall_s: flo
         f"codec call {1000 * c.detok_fixed:.2f} ms + {1000 * c.detok_per_window:.3f} ms/window, engine "
         f"{1000 * c.step_overhead:.2f} ms/step ({c.source})",
         f"- engine: max_batch {st.max_batch}, detok_batch {st.detok_batch}, playback_margin_s 1.0, detok_margin_s "
-        f"{st.detok_margin_s:g} (online), defaults "
+        f"{st.detok_margin_s:g} (online), first_chunk_s {st.first_chunk_s:g}, defaults "
         "otherwise",
         "- dataset: lengths drawn per request (2-6 s of audio; 'mixed': 70% 0.5-1.5 s, 30% 10-20 s), 40-token "
         "prompts",
+        f"- delivery: " + (f"each chunk reaches the client after an exponential delay of mean "
+                           f"{1000 * st.delivery_jitter_s:g} ms (in order)" if st.delivery_jitter_s else
+                           "at once (no serving path modelled)"),
         f"- arrivals: open loop, {st.duration_s:g} s per run; seeds {list(st.seeds)}; mean ± 95% t-interval over "
         "seeds",
         f"- goodput targets: {goodput_label(st.ttfa_p90, st.stall_free)}",
