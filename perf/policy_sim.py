@@ -159,7 +159,8 @@ class SimResult:
 
 def simulate(policy: str, workload: Workload, cost: CostModel, seed: int, *, max_batch: int = 32,
              kv_pages: int = 100_000, detok_batch: int = 16, first_chunk_s: float = 0.0,
-             playback_margin_s: float = 1.0, detok_margin_s: float = 0.15, delivery_jitter_s: float = 0.0,
+             playback_margin_s: float = 1.0, detok_margin_s: float = EngineConfig.detok_margin_s,
+             delivery_jitter_s: float = 0.0,
              record: bool = False, horizon_s: float = 600.0) -> SimResult:
     """delivery_jitter_s: mean of an exponential delay between the engine's event and the client's receipt of
     each chunk (the serving path: Triton, the postprocess model, gRPC), chunks kept in order; 0: none."""
@@ -188,7 +189,8 @@ def simulate(policy: str, workload: Workload, cost: CostModel, seed: int, *, max
                 arrival = max(arrival, tl.chunks[-1][0]) if tl.chunks else arrival
                 tl.chunks.append((arrival, len(e.audio) / SAMPLE_RATE))
             elif e.final:
-                tl.end_time, tl.finish_reason = max([clock.now] + [t for t, _ in tl.chunks[-1:]]), e.finish_reason
+                tl.end_time = max(clock.now, tl.chunks[-1][0]) if tl.chunks else clock.now  # after its last chunk
+                tl.finish_reason = e.finish_reason
                 if e.kind is EventKind.ERROR:
                     tl.error = e.error
         return handle

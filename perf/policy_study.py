@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from clients.stream_metrics import goodput, goodput_label, summarize, ttfa  # noqa: E402
 from perf.policy_sim import PROFILES, CostModel, Workload, calibrate, simulate  # noqa: E402
 from perf.provenance import collect, markdown_lines, result_filename  # noqa: E402
+from voxbackend.config import EngineConfig  # noqa: E402
 
 POLICIES = ("online", "fcfs", "offline", "voxserve")
 METRICS = (("stall_free_pct", "stall-free %", 1), ("on_time_chunk_pct", "on-time chunks %", 1),
@@ -48,7 +49,7 @@ class Settings:
     max_batch: int
     detok_batch: int
     policies: tuple[str, ...] = POLICIES
-    detok_margin_s: float = 0.15  # the online policy's (EngineConfig's default)
+    detok_margin_s: float = EngineConfig.detok_margin_s  # the online policy's
     first_chunk_s: float = 0.0  # EngineConfig.first_chunk_s
     delivery_jitter_s: float = 0.0  # mean delay from the engine's event to the client (policy_sim.simulate)
 
@@ -210,7 +211,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--stall-free", type=float, default=0.99)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--detok-batch", type=int, default=16)
-    ap.add_argument("--detok-margin", type=float, default=0.15, help="the online policy's detok_margin_s")
+    ap.add_argument("--detok-margin", type=float, default=EngineConfig.detok_margin_s,
+                    help="the online policy's detok_margin_s")
     ap.add_argument("--first-chunk", type=float, default=0.0, help="the engine's first_chunk_s")
     ap.add_argument("--delivery-jitter", type=float, default=0.0,
                     help="mean (exponential) delay of each chunk between the engine and the client, seconds")
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> Path:
                   a.ttfa_p90, a.stall_free, a.max_batch, a.detok_batch, tuple(a.policies.split(",")),
                   a.detok_margin, a.first_chunk, a.delivery_jitter)
     info = collect()
-    tool = "policy" + (f"-detok-margin-{a.detok_margin:g}" if a.detok_margin != 0.15 else "") + (
+    tool = "policy" + (f"-detok-margin-{a.detok_margin:g}" if a.detok_margin != EngineConfig.detok_margin_s else "") + (
         f"-first-chunk-{a.first_chunk:g}" if a.first_chunk else "") + (
         f"-jitter-{a.delivery_jitter:g}" if a.delivery_jitter else "")
     stem = result_filename(tool, info)[: -len(".md")]
