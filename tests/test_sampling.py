@@ -114,3 +114,28 @@ def test_penalty_over_candidates_equals_penalty_over_the_vocab():
     over_vocab = apply_repetition_penalty(full, batch.history, batch.penalty, None, V).gather(1, ids)
     over_candidates = apply_repetition_penalty(full.gather(1, ids), batch.history, batch.penalty, ids, V)
     assert torch.equal(over_vocab, over_candidates)
+
+
+@pytest.mark.parametrize("columns", [1, 3])
+def test_penalty_history_grows_as_the_lists_it_replaces(columns):
+    """The runner's incremental history equals the prompt + output lists it used to rebuild every step: one
+    column kept whole (negative markers included, the penalty skips them), other columns without absent (-1)
+    entries, across calls that add one step, several steps, or none, and through its buffer growing."""
+    import random
+
+    import numpy as np
+
+    from voxbackend.engine.model_runner import PenaltyHistory
+
+    rng = random.Random(columns)
+    row = (lambda: rng.randrange(-1, 50)) if columns == 1 else (lambda: [rng.randrange(-1, 50) for _ in range(columns)])
+    prompt = [row() for _ in range(5)]
+    output: list = []
+    history = PenaltyHistory(prompt, columns)
+    for call in range(60):
+        output.extend(row() for _ in range(rng.choice([0, 1, 1, 7])))
+        for c in range(columns):
+            want = prompt + output if columns == 1 else [r[c] for r in prompt + output if r[c] >= 0]
+            assert history.ids(c, output).tolist() == want, (call, c)
+    assert len(output) > 128  # grown past the first buffer
+    assert PenaltyHistory([], columns).ids(0, []).dtype == np.int64

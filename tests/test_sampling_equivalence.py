@@ -121,6 +121,21 @@ def test_ties_take_the_full_sort_and_others_do_not(monkeypatch):
     assert torch.equal(sample(tied, batch), reference_sample(tied, batch)) and calls == [8]
 
 
+def test_a_tie_beside_a_nan_row_still_takes_the_full_sort(monkeypatch):
+    """A NaN row matches its drawn value nowhere, so a tie elsewhere can leave one match per row on average:
+    the batch-wide count must not clear the tie."""
+    calls = []
+    full_sort = sampling._draw_by_sort
+    monkeypatch.setattr(sampling, "_draw_by_sort", lambda scaled, d: calls.append(len(scaled)) or full_sort(scaled, d))
+    params = [SamplingParams(temperature=1.0, seed=s).validated() for s in range(4)]
+    batch = SamplingBatch.build(params, [0] * 4, [[]] * 4, 50, "cpu")
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(4))
+    logits[1] = float("nan")
+    logits[2] = -float("inf")
+    logits[2, :2] = 5.0  # two tied favourites, nothing else possible
+    assert torch.equal(sample(logits, batch), reference_sample(logits, batch)) and calls == [2]
+
+
 def test_nan_rows_match_the_reference(value_sort):
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(5))
     logits[1, 17] = float("nan")

@@ -35,6 +35,7 @@ class Request:
     codes: list[int] = field(default_factory=list)
     windows_done: int = 0
     codec_state: Any = None
+    penalty_history: Any = None  # the model runner's growing copy of what the repetition penalty looks at
     held_audio: list[Any] = field(default_factory=list)  # decoded audio held back until the first chunk is long enough
     # playback clock (engine time): the listener starts playing when the first chunk is sent
     chunks_sent: int = 0

@@ -47,17 +47,20 @@ class Detokenizer:
         """Decode the planned windows (in order per request); returns one audio chunk per request."""
         jobs: list[WindowJob] = []
         owners: list[Request] = []
+        pf = self.per_frame
         for r, n in plan:
-            frames = np.asarray(r.codes[: self.frames(r) * self.per_frame]).reshape(-1, self.per_frame)
+            n_frames = self.frames(r)
             if self.spec.scheduled_by_model:  # the state knows its windows; it gets every frame so far
+                frames = np.asarray(r.codes[: n_frames * pf]).reshape(-1, pf)
                 for k in range(r.windows_done, r.windows_done + n):
                     jobs.append(WindowJob(r.id, k, frames, window_seed(r.sampling.seed, k), False, r.codec_state))
                     owners.append(r)
                 continue
-            total = window_count(self.spec, len(frames), r.lm_done)
+            total = window_count(self.spec, n_frames, r.lm_done)
             for k in range(r.windows_done, r.windows_done + n):
-                start, end = window_bounds(self.spec, k, len(frames))
-                jobs.append(WindowJob(r.id, k, frames[start:end], window_seed(r.sampling.seed, k), k == total - 1,
+                start, end = window_bounds(self.spec, k, n_frames)  # only the window's codes become an array
+                frames = np.asarray(r.codes[start * pf : end * pf]).reshape(-1, pf)
+                jobs.append(WindowJob(r.id, k, frames, window_seed(r.sampling.seed, k), k == total - 1,
                                       r.codec_state))
                 owners.append(r)
         audio = self.model.detokenize(jobs)

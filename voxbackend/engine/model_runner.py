@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import itertools
 import logging
 
+import numpy as np
 import torch
 
 from voxbackend.attention.base import SeqSlice
@@ -90,7 +90,7 @@ class ModelRunner:
         return SamplingBatch.build(
             [r.sampling for r in sampled],
             [len(r.output_ids) * columns for r in sampled],
-            [self._history(r, 0) for r in sampled] if penalized else [[] for _ in sampled],
+            [self._history(r, 0) for r in sampled] if penalized else [_NO_IDS for _ in sampled],
             self._column_vocab(0),
             self.device,
             recent=[self._recent(r) for r in sampled] if ras else None,
@@ -109,20 +109,54 @@ class ModelRunner:
         return dataclasses.replace(batch, step=batch.step + column, history=history,
                                    vocab_size=self._column_vocab(column))
 
-    def _history(self, r: Request, column: int) -> list[int]:
+    def _history(self, r: Request, column: int) -> np.ndarray:
         """What the repetition penalty looks at: the prompt (unless the spec says generated only) and generated
         ids of that column; nothing for a column the spec leaves unpenalized."""
         spec = self.model.spec
         if spec.penalty_columns is not None and column not in spec.penalty_columns:
-            return []
-        prompt = r.prompt_ids if spec.penalty_on_prompt else []
-        if spec.token_columns == 1:
-            return prompt + r.output_ids
-        return [row[column] for row in itertools.chain(prompt, r.output_ids) if row[column] >= 0]
+            return _NO_IDS
+        if r.penalty_history is None:
+            r.penalty_history = PenaltyHistory(r.prompt_ids if spec.penalty_on_prompt else [], spec.token_columns)
+        return r.penalty_history.ids(column, r.output_ids)
 
     def _column_vocab(self, column: int) -> int:
         spec = self.model.spec
         return spec.column_vocab[column] if spec.column_vocab else spec.geometry.vocab_size
+
+_NO_IDS = np.empty(0, dtype=np.int64)
+
+
+class PenaltyHistory:
+    """A request's penalized ids per column (prompt, then generated steps), grown by the steps generated since
+    the last call instead of rebuilt from Python lists every step (for the tiny model at 32 streams that
+    rebuild was ~1.5% of the wall). Entries below 0 (absent columns) are left out, as before."""
+
+    def __init__(self, prompt: list, columns: int):
+        self.columns = columns
+        self.steps = 0  # generated steps already appended
+        self.data = [np.empty(max(64, 2 * len(prompt)), dtype=np.int64) for _ in range(columns)]
+        self.size = [0] * columns
+        if prompt:
+            self._append(np.asarray(prompt, dtype=np.int64))
+
+    def ids(self, column: int, output_ids: list) -> np.ndarray:
+        if len(output_ids) > self.steps:
+            self._append(np.asarray(output_ids[self.steps:], dtype=np.int64))
+            self.steps = len(output_ids)
+        return self.data[column][: self.size[column]]
+
+    def _append(self, rows: np.ndarray) -> None:
+        rows = rows.reshape(len(rows), self.columns)
+        for c in range(self.columns):
+            new = rows[:, c] if self.columns == 1 else rows[:, c][rows[:, c] >= 0]
+            end = self.size[c] + len(new)
+            if end > len(self.data[c]):
+                grown = np.empty(2 * end, dtype=np.int64)
+                grown[: self.size[c]] = self.data[c][: self.size[c]]
+                self.data[c] = grown
+            self.data[c][self.size[c] : end] = new
+            self.size[c] = end
+
 
 def make_attention(config: EngineConfig, model: SpeechModel, pool: KVPool):
     """torch on CPU or when asked; FlashInfer on CUDA when it imports ("auto") or when asked."""
