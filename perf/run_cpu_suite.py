@@ -10,7 +10,8 @@ Steps, in order (each one's failure is recorded in the results file; the others 
   4. pa          perf_analyzer concurrency + Poisson request-rate sweeps against `orpheus`, a short
                  concurrency sweep against `orpheus_engine` (perf/perf_analyzer/*.sh, parse.py)
   5. goodput     open-loop Poisson rate sweeps (clients/loadgen) against engine and naive; goodput and ratio
-  6. ablation    the same Poisson loads against one server per policy: online, fcfs, offline, voxserve
+  6. ablation    the same Poisson loads against one server per policy: online, fcfs, offline, voxserve, and
+                 online-defer-always (online with detok_defer_fill=0)
   7. overhead    in-process engine, 32 streams kept in flight: share of wall time inside model forward +
                  LM head (candidate_logits) + codec (detokenize)
 """
@@ -42,6 +43,11 @@ import goodput as gp  # noqa: E402  (perf/goodput.py)
 import naive_triton  # noqa: E402  (perf/naive_triton.py)
 import provenance  # noqa: E402  (perf/provenance.py)
 from voxbackend.config import POLICIES  # noqa: E402
+
+# the ablation's servers: every policy with its defaults, and online as it was before detok_defer_fill (its
+# windows held back whenever the LM has work), so the default's gain is measured in the same run
+ABLATION_SERVERS: tuple[tuple[str, str, dict[str, str]], ...] = tuple((p, p, {}) for p in POLICIES) + (
+    ("online-defer-always", "online", {"detok_defer_fill": "0"}),)  # label, policy, engine parameters
 from clients.loadgen import RequestOptions, load_prompts, run_load  # noqa: E402
 from clients.stream_metrics import (StreamTimeline, goodput_label, markdown_table,  # noqa: E402
                                     summarize)
@@ -362,7 +368,8 @@ def run_overhead(model_dir: Path, codec_dir: Path, st: Settings, prompts: list[s
 
 
 # ----------------------------------------------------------------------------- servers
-def engine_server(model_dir: Path, codec_dir: Path, policy: str, work: Path, first_chunk_s: float = 0.0):
+def engine_server(model_dir: Path, codec_dir: Path, policy: str, work: Path, first_chunk_s: float = 0.0,
+                  params: dict[str, str] | None = None):
     """tritonserver on a rendered copy of model_repository (what `voxbackend serve --set policy=...` does)."""
     from voxbackend.triton import configs
     from voxbackend.triton.server import TritonServer
@@ -370,7 +377,7 @@ def engine_server(model_dir: Path, codec_dir: Path, policy: str, work: Path, fir
     work.mkdir(parents=True, exist_ok=True)
     repo = configs.write_repository(work / "model_repository", {
         "checkpoint": str(model_dir), "codec": str(codec_dir), "policy": policy, "device": "cpu",
-        "first_chunk_s": str(first_chunk_s)}, models=["orpheus"])
+        "first_chunk_s": str(first_chunk_s), **(params or {})}, models=["orpheus"])
     # only Orpheus: the overrides above apply to every served model, and other models (CSM, ...) would
     # otherwise be pointed at the Orpheus checkpoint, or load their own and take CPU from the benchmark
     keep = {"orpheus", "orpheus_engine", "orpheus_preprocess", configs.POSTPROCESS}
@@ -536,12 +543,12 @@ class Suite:
         opts = RequestOptions(max_tokens=st.max_tokens, sampling_seed=st.seed)
         rows: dict[str, dict] = {}
         per_seed: dict[str, list[dict]] = {}
-        for policy in POLICIES:
-            srv = self.engine_srv if policy == "online" else engine_server(
-                self.model_dir, self.codec_dir, policy, self.work / policy, st.first_chunk_s)
+        for name, policy, params in ABLATION_SERVERS:
+            srv = self.engine_srv if name == "online" else engine_server(
+                self.model_dir, self.codec_dir, policy, self.work / name, st.first_chunk_s, params)
             try:
                 for rate in rates:
-                    label, pooled = f"{policy} @ {rate:g} req/s", []
+                    label, pooled = f"{name} @ {rate:g} req/s", []
                     for k in st.ablation_seeds:
                         tls = run_load(srv.grpc_url, "orpheus", self.prompts, rate, st.ablation_duration,
                                        seed=st.seed + k, opts=opts, request_timeout=st.request_timeout)
@@ -561,7 +568,9 @@ class Suite:
             f"The same Poisson loads ({', '.join(f'{r:g}' for r in rates)} req/s, {st.ablation_duration:g} s of "
             f"arrivals each, arrival seeds {', '.join(str(st.seed + k) for k in st.ablation_seeds)}, max_tokens "
             f"{st.max_tokens}) against one server per policy (`--set policy=...`): `online` = streaming-aware "
-            "(pressing streams first, windows deferred while a buffer is thick), `fcfs` = plain continuous "
+            "(pressing streams first; with half of max_batch or more on the LM, windows deferred while a buffer is "
+            "thick), `online-defer-always` = the same policy deferring whenever the LM has work "
+            "(`detok_defer_fill=0`, the default before 2026-12-01), `fcfs` = plain continuous "
             "batching, `offline` = largest LM batch, detokenize in bulk, `voxserve` = VoxServe's published online "
             "policy (docs/scheduling.md). Rates: " + ("given with --ablation-rates" if st.ablation_rates else
             "the highest goodput-sweep rate at which the engine met the p90 TTFA target with >= 80% of chunks on "

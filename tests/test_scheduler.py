@@ -1,10 +1,15 @@
 """Scheduling policies on a fake clock."""
+import pytest
+
 from voxbackend.config import EngineConfig
 from voxbackend.engine.detokenize import window_bounds, window_count
 from voxbackend.engine.scheduler import MAX_SKIPPED_STEPS, Scheduler
 from voxbackend.models.base import WindowSpec
 from voxbackend.request import Request
 from voxbackend.sampling_params import SamplingParams
+
+
+BUSY = EngineConfig().max_batch  # requests on the LM: a full batch, where the online policy holds windows back
 
 
 def _req(rid: str, arrival: float, *, playing_since=None, audio_s=0.0, prompt=4, cached=4, streaming=True):
@@ -48,13 +53,25 @@ def test_chunked_prefill_under_token_budget_with_several_prefills():
     assert plan == [("a", 6), ("b", 4)]  # two prefills share the step; b continues next step
 
 
+def test_online_holds_windows_back_only_with_the_lm_past_the_defer_fill():
+    now = 100.0
+    comfy = _req("comfy", 0, playing_since=90.0, audio_s=40.0)  # 30 s buffered: its windows may wait
+    sched = Scheduler(EngineConfig(policy="online", detok_batch=4, max_batch=8, detok_defer_fill=0.5))
+    assert [(r.id, n) for r, n in sched.schedule_detok([(comfy, 3)], 3, now, False)] == [("comfy", 3)]
+    assert sched.schedule_detok([(comfy, 3)], 4, now, False) == []  # 4 of 8 on the LM: held back
+    always = Scheduler(EngineConfig(policy="online", detok_batch=4, max_batch=8, detok_defer_fill=0.0))  # whenever the LM works
+    assert always.schedule_detok([(comfy, 3)], 1, now, False) == []
+    with pytest.raises(ValueError, match="detok_defer_fill"):
+        EngineConfig(detok_defer_fill=1.5)
+
+
 def test_online_detokenizer_runs_for_pressing_windows_and_fills_with_others():
     now = 100.0
     sched = Scheduler(EngineConfig(policy="online", detok_batch=4))
     comfy = _req("comfy", 0, playing_since=90.0, audio_s=40.0)
     pressing = _req("pressing", 1, playing_since=90.0, audio_s=10.2)
-    assert sched.schedule_detok([(comfy, 3)], lm_busy=True, now=now, stateful=False) == []
-    plan = sched.schedule_detok([(comfy, 3), (pressing, 2)], lm_busy=True, now=now, stateful=False)
+    assert sched.schedule_detok([(comfy, 3)], lm_requests=BUSY, now=now, stateful=False) == []
+    plan = sched.schedule_detok([(comfy, 3), (pressing, 2)], lm_requests=BUSY, now=now, stateful=False)
     assert [(r.id, n) for r, n in plan] == [("pressing", 2), ("comfy", 2)]
     # with the LM idle, waiting windows are decoded anyway
     assert [(r.id, n) for r, n in sched.schedule_detok([(comfy, 3)], False, now, False)] == [("comfy", 3)]
@@ -63,21 +80,21 @@ def test_online_detokenizer_runs_for_pressing_windows_and_fills_with_others():
 def test_pressing_requests_over_budget_share_it():
     sched = Scheduler(EngineConfig(policy="online", detok_batch=4))
     a, b = _req("a", 0), _req("b", 1)  # nothing played yet
-    plan = sched.schedule_detok([(a, 6), (b, 2)], lm_busy=True, now=0.0, stateful=False)
+    plan = sched.schedule_detok([(a, 6), (b, 2)], lm_requests=BUSY, now=0.0, stateful=False)
     assert [(r.id, n) for r, n in plan] == [("a", 3), ("b", 1)]
 
 
 def test_stateful_codec_gets_one_window_per_request_per_call():
     sched = Scheduler(EngineConfig(policy="fcfs", detok_batch=8))
-    plan = sched.schedule_detok([(_req("a", 0), 3), (_req("b", 1), 2)], True, 0.0, stateful=True)
+    plan = sched.schedule_detok([(_req("a", 0), 3), (_req("b", 1), 2)], BUSY, 0.0, stateful=True)
     assert [(r.id, n) for r, n in plan] == [("a", 1), ("b", 1)]
 
 
 def test_offline_detokenizes_in_bulk():
     sched = Scheduler(EngineConfig(policy="offline", detok_batch=4))
     a = _req("a", 0)
-    assert sched.schedule_detok([(a, 3)], lm_busy=True, now=0.0, stateful=False) == []
-    assert [(r.id, n) for r, n in sched.schedule_detok([(a, 4)], True, 0.0, False)] == [("a", 4)]
+    assert sched.schedule_detok([(a, 3)], lm_requests=BUSY, now=0.0, stateful=False) == []
+    assert [(r.id, n) for r, n in sched.schedule_detok([(a, 4)], BUSY, 0.0, False)] == [("a", 4)]
     assert [(r.id, n) for r, n in sched.schedule_detok([(a, 1)], False, 0.0, False)] == [("a", 1)]
 
 
@@ -95,10 +112,10 @@ def test_online_detokenizer_lets_windows_pile_up_until_a_listener_needs_them():
     sched = Scheduler(EngineConfig(policy="online", detok_batch=8, detok_margin_s=0.15))
     thin = _req("thin", 0, playing_since=90.0, audio_s=10.3)  # 0.3 s left: pressing for the LM, not yet here
     assert thin.pressing(now, 1.0)
-    assert sched.schedule_detok([(thin, 3)], lm_busy=True, now=now, stateful=False) == []
-    assert sched.schedule_detok([(thin, 3)], lm_busy=True, now=now + 0.2, stateful=False) == [(thin, 3)]
+    assert sched.schedule_detok([(thin, 3)], lm_requests=BUSY, now=now, stateful=False) == []
+    assert sched.schedule_detok([(thin, 3)], lm_requests=BUSY, now=now + 0.2, stateful=False) == [(thin, 3)]
     new = _req("new", 1)  # its first audio is always due
-    assert [(r.id, n) for r, n in sched.schedule_detok([(thin, 3), (new, 1)], True, now, False)] == [
+    assert [(r.id, n) for r, n in sched.schedule_detok([(thin, 3), (new, 1)], BUSY, now, False)] == [
         ("new", 1), ("thin", 3)]  # and the thin one rides along in the same call
     # a full batch of windows is decoded whoever is waiting: it is as cheap per window as the codec gets
-    assert [(r.id, n) for r, n in sched.schedule_detok([(thin, 8)], True, now, False)] == [("thin", 8)]
+    assert [(r.id, n) for r, n in sched.schedule_detok([(thin, 8)], BUSY, now, False)] == [("thin", 8)]

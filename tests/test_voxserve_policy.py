@@ -50,19 +50,19 @@ def test_detokenizer_waits_for_a_pressing_window_so_a_lone_batch_job_never_decod
     now = 100.0
     job = _req("job", 0, streaming=False)
     sched = _sched(max_batch=4)
-    assert sched.schedule_detok([(job, 3)], lm_busy=False, now=now, stateful=False) == []  # ours decodes it
+    assert sched.schedule_detok([(job, 3)], lm_requests=False, now=now, stateful=False) == []  # ours decodes it
     online = Scheduler(EngineConfig(policy="online", detok_batch=4))
     assert [(r.id, n) for r, n in online.schedule_detok([(job, 3)], False, now, False)] == [("job", 3)]
     # a pressing stream lets the batch job piggyback on the leftover budget
     new = _req("new", 1)
-    plan = sched.schedule_detok([(job, 3), (new, 1)], lm_busy=True, now=now, stateful=False)
+    plan = sched.schedule_detok([(job, 3), (new, 1)], lm_requests=1, now=now, stateful=False)
     assert [(r.id, n) for r, n in plan] == [("new", 1), ("job", 3)]
 
 
 def test_detokenizer_budget_is_the_lm_batch_and_split_proportionally():
     sched = _sched(max_batch=4, detok_batch=16)
     a, b = _req("a", 0), _req("b", 1)  # nothing played yet: both pressing
-    plan = sched.schedule_detok([(a, 6), (b, 2)], lm_busy=True, now=0.0, stateful=False)
+    plan = sched.schedule_detok([(a, 6), (b, 2)], lm_requests=1, now=0.0, stateful=False)
     assert [(r.id, n) for r, n in plan] == [("a", 3), ("b", 1)]
     assert _proportional([5, 5, 5], 6) == [2, 2, 2]
     assert _proportional([9, 1, 1], 6) == [4, 1, 1]  # max(1, 9*6//11=4), then fits

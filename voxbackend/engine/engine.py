@@ -246,7 +246,7 @@ class Engine:
             lm = self._grow_pages(lm, now)
             if lm:
                 self._run_lm(lm)
-            detok = self._schedule_detok(now, lm_busy=any(r.on_lm for r in self.running))
+            detok = self._schedule_detok(now, lm_requests=sum(1 for r in self.running if r.on_lm))
             if detok:
                 self._run_detok(detok)
             self._failures = 0
@@ -436,11 +436,11 @@ class Engine:
         if self.detokenizer is None or self.detokenizer.finished(r):
             self._finish(r, reason=reason)
 
-    def _schedule_detok(self, now: float, lm_busy: bool) -> list[tuple[Request, int]]:
+    def _schedule_detok(self, now: float, lm_requests: int) -> list[tuple[Request, int]]:
         if self.detokenizer is None:
             return []
         ready = [(r, n) for r in self.running if (n := self.detokenizer.ready(r)) > 0]
-        return self.scheduler.schedule_detok(ready, lm_busy, now, self.model.spec.window.stateful)
+        return self.scheduler.schedule_detok(ready, lm_requests, now, self.model.spec.window.stateful)
 
     @torch.inference_mode()
     def _run_detok(self, plan: list[tuple[Request, int]]) -> None:

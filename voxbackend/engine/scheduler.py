@@ -73,9 +73,10 @@ class Scheduler:
         return r.pressing(now, self.config.playback_margin_s)
 
     def schedule_detok(
-        self, ready: list[tuple[Request, int]], lm_busy: bool, now: float, stateful: bool
+        self, ready: list[tuple[Request, int]], lm_requests: int, now: float, stateful: bool
     ) -> list[tuple[Request, int]]:
-        """ready: (request, windows ready) for requests with at least one. Returns windows to decode now."""
+        """ready: (request, windows ready) for requests with at least one; lm_requests: requests on the LM (0:
+        it is idle). Returns windows to decode now."""
         if not ready:
             return []
         cap = self.config.detok_batch
@@ -86,15 +87,18 @@ class Scheduler:
             return _take(sorted(ready, key=lambda x: x[0].arrival), cap)
         if policy == "offline":
             total = sum(n for _, n in ready)
-            if lm_busy and total < cap:
+            if lm_requests and total < cap:
                 return []
             return _take(sorted(ready, key=lambda x: x[0].arrival), cap)
         # Decode for a listener only when it needs audio soon: its first chunk, or a buffer below
         # detok_margin_s. Until then its windows pile up, so the codec runs less often on bigger batches (its
         # fixed cost per call is what tipped streams into stalling near the knee with the LM's 1 s margin).
+        # With the LM below detok_defer_fill of its batch there is time to spare: decoding at once keeps every
+        # buffer thick against delivery hiccups (thin buffers are what lost streams at low load).
         urgent = [(r, n) for r, n in ready if self._detok_urgent(r, now)]
         total = sum(n for _, n in ready)
-        if not urgent and lm_busy and total < cap:
+        defer = lm_requests >= max(1.0, self.config.detok_defer_fill * self.config.max_batch)
+        if not urgent and defer and total < cap:
             return []
         others = sorted([(r, n) for r, n in ready if not self._detok_urgent(r, now)],
                         key=lambda x: x[0].buffer_s(now))

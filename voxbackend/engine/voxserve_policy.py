@@ -50,7 +50,7 @@ class VoxServeScheduler(Scheduler):
         return plan
 
     def schedule_detok(
-        self, ready: list[tuple[Request, int]], lm_busy: bool, now: float, stateful: bool
+        self, ready: list[tuple[Request, int]], lm_requests: int, now: float, stateful: bool
     ) -> list[tuple[Request, int]]:
         if stateful:
             ready = [(r, 1) for r, _ in ready]
