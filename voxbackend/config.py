@@ -24,8 +24,9 @@ class EngineConfig:
     playback_margin_s: float = 1.0  # online policy: extra buffer beyond the last chunk before a stream is "pressing"
     detok_margin_s: float = 0.15  # online policy: decode a stream's windows once its buffer is below this
     # online policy: hold windows back (above) only while at least this share of max_batch is on the LM; below
-    # it every ready window is decoded at once, as fcfs does (0: hold back whenever the LM has work)
-    detok_defer_fill: float = 0.5
+    # it every ready window is decoded at once, as fcfs does. 0: hold back whenever the LM has work (the default:
+    # 0.5 lost streams in real time near a CPU's knee, docs/scheduling.md)
+    detok_defer_fill: float = 0.0
     first_chunk_s: float = 0.0  # hold a stream's first audio until it is this long (0: send the first window at once)
     attention: str = "auto"  # auto | torch | flashinfer
     # server-side cap on a request's max_tokens (LM steps); above it a request is refused. 0: the model's
