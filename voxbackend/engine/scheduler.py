@@ -3,9 +3,9 @@
 Policies:
 - online (default): streaming-aware. A request is pressing when its listener is close to running out of audio
   (docs/scheduling.md). Pressing requests get LM slots and detokenizer windows first. With the LM at least
-  detok_defer_fill full (default 0: whenever it has work), the detokenizer runs only when a listener needs audio soon or a full batch is ready,
-  and then also fills its leftover slots with other requests' windows; below that it decodes every ready
-  window at once.
+  detok_defer_fill full (default 0: whenever it has work), the detokenizer runs only when a listener needs
+  audio soon or a full batch is ready, and then also fills its leftover slots with other requests' windows;
+  below that it decodes every ready window at once.
 - fcfs: continuous batching in arrival order; every ready window is decoded at once.
 - offline: fills the LM batch in arrival order and detokenizes in bulk (a full batch of windows, or whatever is
   left when the LM has nothing to do), for batch jobs where nobody listens live.
