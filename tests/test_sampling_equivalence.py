@@ -108,10 +108,17 @@ def test_same_tokens_as_the_full_sort_sampler(kind, c, value_sort):
             assert torch.equal(got, want), (kind, c, trial, step, (got != want).nonzero()[:, 0].tolist())
 
 
-def test_ties_take_the_full_sort_and_others_do_not(monkeypatch):
-    calls = []
+@pytest.fixture
+def full_sort_calls(monkeypatch) -> list[int]:
+    """The row count of every call of the full-sort path."""
+    calls: list[int] = []
     full_sort = sampling._draw_by_sort
     monkeypatch.setattr(sampling, "_draw_by_sort", lambda scaled, d: calls.append(len(scaled)) or full_sort(scaled, d))
+    return calls
+
+
+def test_ties_take_the_full_sort_and_others_do_not(full_sort_calls):
+    calls = full_sort_calls
     params = [SamplingParams(temperature=1.0, seed=s).validated() for s in range(8)]
     batch = SamplingBatch.build(params, [0] * 8, [[]] * 8, 4097, "cpu")
     distinct = torch.randn(8, 4097, generator=torch.Generator().manual_seed(3))
@@ -121,12 +128,10 @@ def test_ties_take_the_full_sort_and_others_do_not(monkeypatch):
     assert torch.equal(sample(tied, batch), reference_sample(tied, batch)) and calls == [8]
 
 
-def test_a_tie_beside_a_nan_row_still_takes_the_full_sort(monkeypatch):
+def test_a_tie_beside_a_nan_row_still_takes_the_full_sort(full_sort_calls):
     """A NaN row matches its drawn value nowhere, so a tie elsewhere can leave one match per row on average:
     the batch-wide count must not clear the tie."""
-    calls = []
-    full_sort = sampling._draw_by_sort
-    monkeypatch.setattr(sampling, "_draw_by_sort", lambda scaled, d: calls.append(len(scaled)) or full_sort(scaled, d))
+    calls = full_sort_calls
     params = [SamplingParams(temperature=1.0, seed=s).validated() for s in range(4)]
     batch = SamplingBatch.build(params, [0] * 4, [[]] * 4, 50, "cpu")
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(4))
