@@ -43,14 +43,14 @@ import goodput as gp  # noqa: E402  (perf/goodput.py)
 import naive_triton  # noqa: E402  (perf/naive_triton.py)
 import provenance  # noqa: E402  (perf/provenance.py)
 from voxbackend.config import POLICIES  # noqa: E402
+from clients.loadgen import RequestOptions, load_prompts, run_load  # noqa: E402
+from clients.stream_metrics import (StreamTimeline, goodput_label, markdown_table,  # noqa: E402
+                                    summarize)
 
 # the ablation's servers: every policy with its defaults, and online deferring codec windows only with half of
 # max_batch or more on the LM (detok_defer_fill 0.5: decode at once below that), measured in the same run
 ABLATION_SERVERS: tuple[tuple[str, str, dict[str, str]], ...] = tuple((p, p, {}) for p in POLICIES) + (
     ("online-defer-fill-0.5", "online", {"detok_defer_fill": "0.5"}),)  # label, policy, engine parameters
-from clients.loadgen import RequestOptions, load_prompts, run_load  # noqa: E402
-from clients.stream_metrics import (StreamTimeline, goodput_label, markdown_table,  # noqa: E402
-                                    summarize)
 
 SAMPLE_RATE = 24000
 SIZING = """\

@@ -94,8 +94,9 @@ class Scheduler:
         # Decode for a listener only when it needs audio soon: its first chunk, or a buffer below
         # detok_margin_s. Until then its windows pile up, so the codec runs less often on bigger batches (its
         # fixed cost per call is what tipped streams into stalling near the knee with the LM's 1 s margin).
-        # With the LM below detok_defer_fill of its batch there is time to spare: decoding at once keeps every
-        # buffer thick against delivery hiccups (thin buffers are what lost streams at low load).
+        # detok_defer_fill > 0 holds windows back only with that share of max_batch on the LM and decodes at once
+        # below it (thicker buffers at low load in the simulation; in real time on a CPU it lost streams near the
+        # knee, where few streams fill the LM: docs/scheduling.md).
         urgent = [(r, n) for r, n in ready if self._detok_urgent(r, now)]
         total = sum(n for _, n in ready)
         defer = lm_requests >= max(1.0, self.config.detok_defer_fill * self.config.max_batch)
