@@ -52,8 +52,8 @@ class SamplingBatch:
 
     @classmethod
     def build(
-        cls, params: list[SamplingParams], steps: list[int], histories: Sequence[Sequence[int]], vocab_size: int, device,
-        recent: list[list[int]] | None = None,
+        cls, params: list[SamplingParams], steps: list[int], histories: Sequence[Sequence[int]], vocab_size: int,
+        device, recent: list[list[int]] | None = None,
     ) -> "SamplingBatch":
         """`recent`: each row's generated ids so far (or at least its last ras_window), for rows with ras."""
         def t(values, dtype):

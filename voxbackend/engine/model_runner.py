@@ -130,8 +130,8 @@ _NO_IDS = np.empty(0, dtype=np.int64)
 class PenaltyHistory:
     """A request's penalized ids per column (prompt, then generated steps), grown by the steps generated since
     the last call instead of rebuilt from Python lists every step (the sampling batch of 32 requests with
-    300-600 ids each took 0.8 ms to build that way, 0.2 ms now). A one-column model keeps every entry (the penalty skips those below 0); other
-    models leave out absent (-1) entries."""
+    300-600 ids each took 0.8 ms to build that way, 0.2 ms now). A one-column model keeps every entry (the
+    penalty skips those below 0); other models leave out absent (-1) entries."""
 
     def __init__(self, prompt: list, columns: int):
         self.columns = columns
