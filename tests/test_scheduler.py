@@ -59,7 +59,8 @@ def test_online_holds_windows_back_only_with_the_lm_past_the_defer_fill():
     sched = Scheduler(EngineConfig(policy="online", detok_batch=4, max_batch=8, detok_defer_fill=0.5))
     assert [(r.id, n) for r, n in sched.schedule_detok([(comfy, 3)], 3, now, False)] == [("comfy", 3)]
     assert sched.schedule_detok([(comfy, 3)], 4, now, False) == []  # 4 of 8 on the LM: held back
-    always = Scheduler(EngineConfig(policy="online", detok_batch=4, max_batch=8, detok_defer_fill=0.0))  # whenever the LM works
+    # fill 0: held back whenever the LM has work
+    always = Scheduler(EngineConfig(policy="online", detok_batch=4, max_batch=8, detok_defer_fill=0.0))
     assert always.schedule_detok([(comfy, 3)], 1, now, False) == []
     with pytest.raises(ValueError, match="detok_defer_fill"):
         EngineConfig(detok_defer_fill=1.5)
@@ -74,7 +75,7 @@ def test_online_detokenizer_runs_for_pressing_windows_and_fills_with_others():
     plan = sched.schedule_detok([(comfy, 3), (pressing, 2)], lm_requests=BUSY, now=now, stateful=False)
     assert [(r.id, n) for r, n in plan] == [("pressing", 2), ("comfy", 2)]
     # with the LM idle, waiting windows are decoded anyway
-    assert [(r.id, n) for r, n in sched.schedule_detok([(comfy, 3)], False, now, False)] == [("comfy", 3)]
+    assert [(r.id, n) for r, n in sched.schedule_detok([(comfy, 3)], 0, now, False)] == [("comfy", 3)]
 
 
 def test_pressing_requests_over_budget_share_it():
@@ -95,7 +96,7 @@ def test_offline_detokenizes_in_bulk():
     a = _req("a", 0)
     assert sched.schedule_detok([(a, 3)], lm_requests=BUSY, now=0.0, stateful=False) == []
     assert [(r.id, n) for r, n in sched.schedule_detok([(a, 4)], BUSY, 0.0, False)] == [("a", 4)]
-    assert [(r.id, n) for r, n in sched.schedule_detok([(a, 1)], False, 0.0, False)] == [("a", 1)]
+    assert [(r.id, n) for r, n in sched.schedule_detok([(a, 1)], 0, 0.0, False)] == [("a", 1)]
 
 
 def test_orpheus_windows():
