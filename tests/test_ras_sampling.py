@@ -1,12 +1,14 @@
 """Repetition-aware sampling (CosyVoice2's ras_sampling) and stop-id masking (min_tokens), per row on the device.
 
 The reference below follows upstream `ras_sampling` / `nucleus_sampling` / `random_sampling` step by step (a
-Python loop over the stable-sorted probabilities), with its multinomial draws replaced by inverse-CDF draws at
-the row's two counter-based numbers, which is where ours takes its randomness.
+Python loop over the stable-sorted probabilities keeps the nucleus), with its multinomial draws replaced by our
+draw procedure at the row's counter-based numbers: the nucleus by rejection (inverse CDF over the top-k tokens
+in candidate order; a draw outside the nucleus shrinks the support to the tokens more likely than it), the
+redraw by inverse CDF over the whole distribution.
 """
 import torch
 
-from voxbackend.sampling import RESAMPLE_STEP, SamplingBatch, mask_ids, sample, uniform_from_seed
+from voxbackend.sampling import RESAMPLE_STEP, ROUND_SEED, SamplingBatch, mask_ids, sample, uniform_from_seed
 from voxbackend.sampling_params import SamplingParams
 
 V = 400
@@ -18,12 +20,14 @@ def inverse_cdf(probs: list[float], u: float) -> int:
         acc += p
         if acc > u * total:
             return i
-    return len(probs) - 1
+    return max(i for i, p in enumerate(probs) if p > 0)
+
+
+def uniform(seed: int, step: int) -> float:
+    return float(uniform_from_seed(torch.tensor([seed]), torch.tensor([step]))[0])
 
 
 def reference_ras(logits: torch.Tensor, recent: list[int], p: SamplingParams, step: int) -> int:
-    u1 = float(uniform_from_seed(torch.tensor([p.seed]), torch.tensor([step]))[0])
-    u2 = float(uniform_from_seed(torch.tensor([p.seed]), torch.tensor([step + RESAMPLE_STEP]))[0])
     probs = (logits.double() / p.temperature).softmax(0)
     values, order = probs.sort(descending=True, stable=True)
     kept, cum = [], 0.0
@@ -33,9 +37,17 @@ def reference_ras(logits: torch.Tensor, recent: list[int], p: SamplingParams, st
             kept.append(value)
         else:
             break
-    token = int(order[inverse_cdf(kept, u1)])
+    nucleus = set(order[: len(kept)].tolist())
+    weights = probs.tolist()
+    kth = values[p.top_k - 1].item()
+    support = [w if w >= kth else 0.0 for w in weights]  # the top-k tokens (no ties in random logits)
+    token, round_ = inverse_cdf(support, uniform(p.seed, step)), 0
+    while token not in nucleus:
+        round_ += 1
+        support = [w if w > weights[token] else 0.0 for w in support]
+        token = inverse_cdf(support, uniform((p.seed + round_ * ROUND_SEED) & 0xFFFFFFFF, step))
     if sum(t == token for t in recent[-p.ras_window:]) >= p.ras_window * p.ras_tau_r:
-        token = inverse_cdf(probs.tolist(), u2)
+        token = inverse_cdf(weights, uniform(p.seed, step + RESAMPLE_STEP))
     return token
 
 
