@@ -390,7 +390,7 @@ class Engine:
         for r, n in plan:
             while not r.preempted and self.pool.missing(r.id, r.num_cached + n) > self.pool.free_pages:
                 self._preempt(preemption_victim([x for x in self.running if x.on_lm], now))
-            if not r.preempted:
+            if not r.preempted and self.pool.missing(r.id, r.num_cached + n):  # most steps need no new page
                 r.pages = self.pool.allocate(r.id, r.num_cached + n)
         return [(r, n) for r, n in plan if not r.preempted]
 

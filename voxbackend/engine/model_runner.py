@@ -66,7 +66,8 @@ class ModelRunner:
         )
         if not sampled:
             return []
-        rows = hidden[torch.tensor(sample_rows, device=dev)]
+        # a pure decode step samples every row: no gather
+        rows = hidden if len(sample_rows) == len(hidden) else hidden[torch.tensor(sample_rows, device=dev)]
         logits, token_ids = self.model.candidate_logits(rows, [len(r.codes) for r in sampled])
         early = [len(r.output_ids) < r.sampling.min_tokens for r in sampled]
         if any(early) and self.model.spec.stop_ids:  # no stop before min_tokens
@@ -143,14 +144,16 @@ class PenaltyHistory:
 
     def ids(self, column: int, output_ids: list) -> np.ndarray:
         if len(output_ids) > self.steps:
-            self._append(np.asarray(output_ids[self.steps:], dtype=np.int64))
+            new = output_ids[self.steps:]  # one column: the list goes in as it is (a decode step adds one id)
+            self._append(new if self.columns == 1 else np.asarray(new, dtype=np.int64))
             self.steps = len(output_ids)
         return self.data[column][: self.size[column]]
 
-    def _append(self, rows: np.ndarray) -> None:
-        rows = rows.reshape(len(rows), self.columns)
+    def _append(self, rows) -> None:
+        if self.columns > 1:
+            rows = rows.reshape(len(rows), self.columns)
         for c in range(self.columns):
-            new = rows[:, c] if self.columns == 1 else rows[:, c][rows[:, c] >= 0]
+            new = rows if self.columns == 1 else rows[:, c][rows[:, c] >= 0]
             end = self.size[c] + len(new)
             if end > len(self.data[c]):
                 grown = np.empty(2 * end, dtype=np.int64)
