@@ -8,23 +8,11 @@ redraw by inverse CDF over the whole distribution.
 """
 import torch
 
-from voxbackend.sampling import RESAMPLE_STEP, ROUND_SEED, SamplingBatch, mask_ids, sample, uniform_from_seed
+from tests.util_sampling import inverse_cdf, uniform
+from voxbackend.sampling import RESAMPLE_STEP, ROUND_SEED, SamplingBatch, mask_ids, sample
 from voxbackend.sampling_params import SamplingParams
 
 V = 400
-
-
-def inverse_cdf(probs: list[float], u: float) -> int:
-    total, acc = sum(probs), 0.0
-    for i, p in enumerate(probs):
-        acc += p
-        if acc > u * total:
-            return i
-    return max(i for i, p in enumerate(probs) if p > 0)
-
-
-def uniform(seed: int, step: int) -> float:
-    return float(uniform_from_seed(torch.tensor([seed]), torch.tensor([step]))[0])
 
 
 def reference_ras(logits: torch.Tensor, recent: list[int], p: SamplingParams, step: int) -> int:

@@ -13,23 +13,11 @@ import zlib
 import pytest
 import torch
 
-from voxbackend.sampling import ROUND_SEED, SamplingBatch, apply_repetition_penalty, sample, uniform_from_seed
+from tests.util_sampling import inverse_cdf, uniform
+from voxbackend.sampling import ROUND_SEED, SamplingBatch, apply_repetition_penalty, sample
 from voxbackend.sampling_params import SamplingParams
 
 VOCAB = 156940
-
-
-def _uniform(seed: int, step: int) -> float:
-    return float(uniform_from_seed(torch.tensor([seed]), torch.tensor([step]))[0])
-
-
-def _inverse_cdf(weights: list[float], u: float) -> int:
-    total, acc = sum(weights), 0.0
-    for i, w in enumerate(weights):
-        acc += w
-        if acc > u * total:
-            return i
-    return max(i for i, w in enumerate(weights) if w > 0)
 
 
 def reference_row(logits: torch.Tensor, p: SamplingParams, step: int) -> int:
@@ -47,12 +35,12 @@ def reference_row(logits: torch.Tensor, p: SamplingParams, step: int) -> int:
         return probs[j] >= floor and (p.top_p >= 1 or sum(q for q in probs if q > probs[j]) < p.top_p)
 
     support = [q if q >= floor else 0.0 for q in probs]
-    j = _inverse_cdf(support, _uniform(p.seed, step))
+    j = inverse_cdf(support, uniform(p.seed, step))
     rounds = 0
     while not survives(j):
         rounds += 1
         support = [q if q > probs[j] else 0.0 for q in support]
-        j = _inverse_cdf(support, _uniform((p.seed + rounds * ROUND_SEED) & 0xFFFFFFFF, step))
+        j = inverse_cdf(support, uniform((p.seed + rounds * ROUND_SEED) & 0xFFFFFFFF, step))
     return j
 
 

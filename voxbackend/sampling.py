@@ -197,7 +197,7 @@ def draw_truncated(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     for round_ in range(1, MAX_ROUNDS):
         above = _kept(support, torch.gt, support.gather(1, drawn[:, None]))  # strictly more likely than the draw
         rejected = (above.sum(dim=-1) >= top_p) & (top_p < 1)
-        if not bool(rejected.any()):  # one host read per round; at top_p 0.8, ~1.3 rounds on average
+        if not bool(rejected.any()):  # one host read per round (tiny engine, 32 rows at top_p 0.8: 1.4 on average)
             break
         rows, support, top_p = rows[rejected], above[rejected], top_p[rejected]
         if round_ < _ROUNDS_AHEAD:
