@@ -56,9 +56,11 @@ class TorchPagedAttention:
         if decodes:
             keys = [s.context_len + 1 for s in decodes]
             width = -(-max(keys) // ps)
-            table = np.full((len(decodes), width), self.scratch_page, dtype=np.int64)  # numpy rows: ~3x a nested list
+            # numpy rows: the nested list through torch.tensor was the plan's slowest line
+            table = np.full((len(decodes), width), self.scratch_page, dtype=np.int64)
             for row, s, n in zip(table, decodes, keys):
-                row[: -(-n // ps)] = s.pages[: -(-n // ps)]
+                used = -(-n // ps)
+                row[:used] = s.pages[:used]
             pages = torch.from_numpy(table)
             valid = torch.arange(width * ps)[None, :] < torch.tensor(keys)[:, None]
             rows = torch.tensor([s.q_start for s in decodes], device=device)

@@ -388,9 +388,10 @@ class Engine:
         (the most pressing first). When the pool is dry, the request that can best afford a pause among all on
         the LM (possibly the one asking) is preempted. Returns the plan without the preempted."""
         for r, n in plan:
-            while not r.preempted and self.pool.missing(r.id, r.num_cached + n) > self.pool.free_pages:
+            need = self.pool.missing(r.id, r.num_cached + n)  # most steps need none
+            while not r.preempted and need > self.pool.free_pages:
                 self._preempt(preemption_victim([x for x in self.running if x.on_lm], now))
-            if not r.preempted and self.pool.missing(r.id, r.num_cached + n):  # most steps need no new page
+            if need and not r.preempted:
                 r.pages = self.pool.allocate(r.id, r.num_cached + n)
         return [(r, n) for r, n in plan if not r.preempted]
 
