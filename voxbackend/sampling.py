@@ -186,10 +186,8 @@ def draw_truncated(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         by_min_p = batch.min_p * probs.max(dim=-1).values
         floor = by_min_p if floor is None else torch.maximum(floor, by_min_p)
     support = probs if floor is None else _kept(probs, torch.ge, floor[:, None])
-    # the first rounds' numbers in one go (a call costs the same for one row or many): round r draws with
-    # (seed + r * ROUND_SEED) mod 2**32, so round 0 takes the row's own number
-    ahead = torch.arange(_ROUNDS_AHEAD, device=probs.device) * ROUND_SEED
-    numbers = uniform_from_seed((batch.seed[:, None] + ahead) & _MASK32, batch.step[:, None])
+    # the first rounds' numbers in one go (a call costs the same for one row or many)
+    numbers = _round_numbers(batch.seed, batch.step, torch.arange(_ROUNDS_AHEAD, device=probs.device))
     column = inverse_cdf(support, numbers[:, 0])
     if not batch.any_top_p:
         return column
@@ -203,7 +201,7 @@ def draw_truncated(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if round_ < _ROUNDS_AHEAD:
             u = numbers[rows, round_]
         else:
-            u = uniform_from_seed((batch.seed[rows] + round_ * ROUND_SEED) & _MASK32, batch.step[rows])
+            u = _round_numbers(batch.seed[rows], batch.step[rows], torch.tensor([round_], device=probs.device))[:, 0]
         drawn = inverse_cdf(support, u)
         column[rows] = drawn
     return column
@@ -213,6 +211,12 @@ MAX_ROUNDS = 64  # a row needs ~ln(candidates) rounds at worst (a tiny top_p on 
 # a row would keep its last draw
 ROUND_SEED = 0x9E3779B9  # round r draws with seed + r * this
 _ROUNDS_AHEAD = 4  # rounds whose numbers are computed up front
+
+
+def _round_numbers(seed: torch.Tensor, step: torch.Tensor, rounds: torch.Tensor) -> torch.Tensor:
+    """[rows, len(rounds)]: round r draws with (seed + r * ROUND_SEED) mod 2**32, so round 0 takes the row's own
+    number."""
+    return uniform_from_seed((seed[:, None] + rounds * ROUND_SEED) & _MASK32, step[:, None])
 
 
 def _kept(x: torch.Tensor, compare, threshold: torch.Tensor) -> torch.Tensor:
