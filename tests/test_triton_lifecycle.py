@@ -223,8 +223,9 @@ def _serve_busy_then_sigint(tmp_path: Path, busy: Busy) -> tuple[int, float, str
         outs: dict[str, StreamOutcome] = {}
 
         def stream(name: str, model: str, text: str, tokens: int) -> threading.Thread:
+            # MIN_TOKENS: a random-weight stream may sample its stop token early and end before SIGINT
             t = threading.Thread(target=lambda: outs.__setitem__(name, stream_request(
-                url, model, make_inputs(text, MAX_TOKENS=tokens), timeout=120)))
+                url, model, make_inputs(text, MAX_TOKENS=tokens, MIN_TOKENS=tokens), timeout=120)))
             t.start()
             return t
 
