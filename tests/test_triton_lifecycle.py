@@ -248,8 +248,12 @@ def _serve_busy_then_sigint(tmp_path: Path, busy: Busy) -> tuple[int, float, str
         for t in threads:
             t.join(30)
     finally:
-        if serve_proc.poll() is None:
-            serve_proc.kill()
+        if serve_proc.poll() is None:  # a failed check: SIGINT first, as a SIGKILL would orphan its tritonserver
+            serve_proc.send_signal(signal.SIGINT)
+            try:
+                serve_proc.wait(30)
+            except subprocess.TimeoutExpired:
+                serve_proc.kill()
     reader.join(5)
     return code, took, "".join(lines), outs, ports[1]
 
