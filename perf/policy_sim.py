@@ -160,7 +160,7 @@ class SimResult:
 def simulate(policy: str, workload: Workload, cost: CostModel, seed: int, *, max_batch: int = 32,
              kv_pages: int = 100_000, detok_batch: int = 16, first_chunk_s: float = 0.0,
              playback_margin_s: float = 1.0, detok_margin_s: float = EngineConfig.detok_margin_s,
-             detok_defer_fill: float = EngineConfig.detok_defer_fill,
+             detok_pace_floor: float = EngineConfig.detok_pace_floor,
              delivery_jitter_s: float = 0.0,
              record: bool = False, horizon_s: float = 600.0) -> SimResult:
     """delivery_jitter_s: mean of an exponential delay between the engine's event and the client's receipt of
@@ -172,7 +172,7 @@ def simulate(policy: str, workload: Workload, cost: CostModel, seed: int, *, max
     config = EngineConfig(policy=policy, max_batch=max_batch, kv_pages=kv_pages, page_size=16,
                           prefill_budget=512, max_queue=1 << 20, detok_batch=detok_batch,
                           first_chunk_s=first_chunk_s, playback_margin_s=playback_margin_s,
-                          detok_margin_s=detok_margin_s, detok_defer_fill=detok_defer_fill)
+                          detok_margin_s=detok_margin_s, detok_pace_floor=detok_pace_floor)
     engine = Engine(model, config, clock=clock)
     engine.runner.attention = _NoAttention()  # SimSpeech reads no keys or values, so paged-attention plans are waste
     result = SimResult([])

@@ -50,12 +50,12 @@ class Settings:
     detok_batch: int
     policies: tuple[str, ...] = POLICIES
     detok_margin_s: float = EngineConfig.detok_margin_s  # the online policy's
-    detok_defer_fill: float = EngineConfig.detok_defer_fill  # the online policy's
+    detok_pace_floor: float = EngineConfig.detok_pace_floor  # the online policy's
     first_chunk_s: float = 0.0  # EngineConfig.first_chunk_s
     delivery_jitter_s: float = 0.0  # mean delay from the engine's event to the client (policy_sim.simulate)
 
     def engine_options(self) -> dict:
-        return {"detok_margin_s": self.detok_margin_s, "detok_defer_fill": self.detok_defer_fill,
+        return {"detok_margin_s": self.detok_margin_s, "detok_pace_floor": self.detok_pace_floor,
                 "first_chunk_s": self.first_chunk_s,
                 "delivery_jitter_s": self.delivery_jitter_s}
 
@@ -215,8 +215,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--detok-batch", type=int, default=16)
     ap.add_argument("--detok-margin", type=float, default=EngineConfig.detok_margin_s,
                     help="the online policy's detok_margin_s")
-    ap.add_argument("--detok-defer-fill", type=float, default=EngineConfig.detok_defer_fill,
-                    help="the online policy's detok_defer_fill")
+    ap.add_argument("--detok-pace-floor", type=float, default=EngineConfig.detok_pace_floor,
+                    help="the online policy's detok_pace_floor (0: never decode in full batches only)")
     ap.add_argument("--first-chunk", type=float, default=0.0, help="the engine's first_chunk_s")
     ap.add_argument("--delivery-jitter", type=float, default=0.0,
                     help="mean (exponential) delay of each chunk between the engine and the client, seconds")
@@ -235,10 +235,10 @@ def main(argv: list[str] | None = None) -> Path:
     rates = tuple(float(r) for r in a.rates.split(",")) if a.rates else default_rates(cost, a.max_batch)
     st = Settings(cost, seeds, 10.0 if a.quick else a.duration, rates[::2] if a.quick else rates,
                   a.ttfa_p90, a.stall_free, a.max_batch, a.detok_batch, tuple(a.policies.split(",")),
-                  a.detok_margin, a.detok_defer_fill, a.first_chunk, a.delivery_jitter)
+                  a.detok_margin, a.detok_pace_floor, a.first_chunk, a.delivery_jitter)
     info = collect()
     tool = "policy" + (f"-detok-margin-{a.detok_margin:g}" if a.detok_margin != EngineConfig.detok_margin_s else "") + (
-        f"-defer-fill-{a.detok_defer_fill:g}" if a.detok_defer_fill != EngineConfig.detok_defer_fill else "") + (
+        f"-pace-floor-{a.detok_pace_floor:g}" if a.detok_pace_floor != EngineConfig.detok_pace_floor else "") + (
         f"-first-chunk-{a.first_chunk:g}" if a.first_chunk else "") + (
         f"-jitter-{a.delivery_jitter:g}" if a.delivery_jitter else "")
     stem = result_filename(tool, info)[: -len(".md")]
@@ -295,7 +295,7 @@ def report(st: Settings, info: dict, sweep, gps, results, stem: str, wall_s: flo
         f"codec call {1000 * c.detok_fixed:.2f} ms + {1000 * c.detok_per_window:.3f} ms/window, engine "
         f"{1000 * c.step_overhead:.2f} ms/step ({c.source})",
         f"- engine: max_batch {st.max_batch}, detok_batch {st.detok_batch}, playback_margin_s 1.0, detok_margin_s "
-        f"{st.detok_margin_s:g} and detok_defer_fill {st.detok_defer_fill:g} (online), first_chunk_s "
+        f"{st.detok_margin_s:g} and detok_pace_floor {st.detok_pace_floor:g} (online), first_chunk_s "
         f"{st.first_chunk_s:g}, defaults "
         "otherwise",
         "- dataset: lengths drawn per request (2-6 s of audio; 'mixed': 70% 0.5-1.5 s, 30% 10-20 s), 40-token "

@@ -88,7 +88,8 @@ def _pool_is_whole(engine: Engine) -> bool:
 def _req(rid, arrival, *, streaming=True, playing_since=None, audio_s=0.0):
     r = Request(rid, [1, 2, 3], SamplingParams(seed=1), lambda e: None, arrival, streaming=streaming)
     if playing_since is not None:
-        r.first_chunk_at, r.audio_sent_s, r.last_chunk_s = playing_since, audio_s, 0.2
+        r.record_chunk(playing_since, audio_s)  # all its audio so far, as one chunk
+        r.last_chunk_s = 0.2
     return r
 
 

@@ -23,10 +23,11 @@ class EngineConfig:
     detok_batch: int = 16  # codec windows per detokenizer call
     playback_margin_s: float = 1.0  # online policy: extra buffer beyond the last chunk before a stream is "pressing"
     detok_margin_s: float = 0.15  # online policy: decode a stream's windows once its buffer is below this
-    # online policy: hold windows back (above) only while at least this share of max_batch is on the LM; below
-    # it every ready window is decoded at once, as fcfs does. 0: hold back whenever the LM has work (the default:
-    # 0.5 lost streams in real time near a CPU's knee, docs/scheduling.md)
-    detok_defer_fill: float = 0.0
+    # online policy: near the machine's limit (the streams' average pace, audio made per second since their first
+    # chunk, below this x real time, and a full codec batch forming within 0.3 s) serve the LM in arrival order and
+    # decode only full batches, as offline does. 0 (default): never. 1.6 helps where each codec call has a large
+    # fixed cost (a CPU) and hurts where the LM alone makes streams barely faster than this (docs/scheduling.md)
+    detok_pace_floor: float = 0.0
     first_chunk_s: float = 0.0  # hold a stream's first audio until it is this long (0: send the first window at once)
     attention: str = "auto"  # auto | torch | flashinfer
     # server-side cap on a request's max_tokens (LM steps); above it a request is refused. 0: the model's
@@ -36,8 +37,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if not 0 <= self.detok_defer_fill <= 1:
-            raise ValueError(f"detok_defer_fill must be in [0, 1], got {self.detok_defer_fill}")
+        if self.detok_pace_floor < 0:
+            raise ValueError(f"detok_pace_floor must be >= 0, got {self.detok_pace_floor}")
         if self.detok_margin_s < 0:
             raise ValueError(f"detok_margin_s must be >= 0, got {self.detok_margin_s}")
         for name in ("max_batch", "kv_pages", "page_size", "prefill_budget", "max_queue", "detok_batch"):

@@ -7,6 +7,7 @@ from typing import Any, Callable
 from voxbackend.events import Event
 from voxbackend.sampling_params import SamplingParams
 
+PACE_AFTER_S = 0.5  # a stream's pace is measured once it has played this long (before, one chunk decides it)
 
 @dataclass
 class Request:
@@ -37,11 +38,15 @@ class Request:
     codec_state: Any = None
     penalty_history: Any = None  # the model runner's growing copy of what the repetition penalty looks at
     held_audio: list[Any] = field(default_factory=list)  # decoded audio held back until the first chunk is long enough
-    # playback clock (engine time): the listener starts playing when the first chunk is sent
+    # the listener's player (engine time): it starts when the first chunk is sent, pauses when it runs dry and
+    # resumes with the next chunk
     chunks_sent: int = 0
     first_chunk_at: float | None = None
+    first_chunk_len_s: float = 0.0
     audio_sent_s: float = 0.0
     last_chunk_s: float = 0.0
+    queued_s: float = 0.0  # audio the player had queued right after the last chunk arrived
+    last_chunk_at: float = 0.0
     ready_windows: int = 0  # codec windows decodable now but not decoded yet (the engine sets it every step)
     skipped_steps: int = 0  # consecutive steps passed over by the scheduler (ageing prevents starvation)
     finish_reason: str | None = None
@@ -77,17 +82,36 @@ class Request:
     def lm_done(self) -> bool:
         return self.finish_reason is not None
 
+    def record_chunk(self, now: float, seconds: float) -> None:
+        """A chunk of `seconds` of audio was sent at `now`. A player that ran dry waited for it and plays it from
+        now, so a stream that stalled once is not counted behind forever (which made it look urgent every step)."""
+        if self.first_chunk_at is None:
+            self.first_chunk_at, self.first_chunk_len_s = now, seconds
+        self.queued_s = max(0.0, self.buffer_s(now)) + seconds
+        self.last_chunk_at = now
+        self.audio_sent_s += seconds
+        self.last_chunk_s = seconds
+
     def buffer_s(self, now: float) -> float:
-        """Audio the listener still has queued (negative: it has been stalling)."""
+        """Audio the listener still has queued (negative: its player has been waiting that long)."""
         if self.first_chunk_at is None:
             return 0.0
-        return self.audio_sent_s - (now - self.first_chunk_at)
+        return self.queued_s - (now - self.last_chunk_at)
+
+    def ready_audio_s(self) -> float:
+        """Audio of the ready windows (one codec call away), at the average length of the windows sent so far."""
+        return self.ready_windows * self.audio_sent_s / self.windows_done if self.windows_done else 0.0
 
     def lead_s(self, now: float) -> float:
-        """How far the stream is ahead of its listener: the buffer plus the audio of its ready windows (one codec
-        call away), counted at the average length of the windows sent so far."""
-        ahead = self.ready_windows * self.audio_sent_s / self.windows_done if self.windows_done else 0.0
-        return self.buffer_s(now) + ahead
+        """How far the stream is ahead of its listener: the buffer plus the audio of its ready windows."""
+        return self.buffer_s(now) + self.ready_audio_s()
+
+    def pace(self, now: float) -> float | None:
+        """Audio made per second since the first chunk was sent (x real time; ready windows count), or None
+        before it has played PACE_AFTER_S (the first chunk's own audio is left out: it was made before)."""
+        if self.first_chunk_at is None or now - self.first_chunk_at < PACE_AFTER_S:
+            return None
+        return (self.audio_sent_s - self.first_chunk_len_s + self.ready_audio_s()) / (now - self.first_chunk_at)
 
     def pressing(self, now: float, margin_s: float) -> bool:
         """Close to running out of audio: nothing sent yet, or its lead is below the last chunk plus a margin.

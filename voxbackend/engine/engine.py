@@ -460,12 +460,7 @@ class Engine:
                 self._finish(r, reason=r.finish_reason)
 
     def _send_audio(self, r: Request, audio: np.ndarray) -> None:
-        now = self.clock()
-        if r.first_chunk_at is None:
-            r.first_chunk_at = now
-        seconds = len(audio) / self.model.spec.sample_rate
-        r.audio_sent_s += seconds
-        r.last_chunk_s = seconds
+        r.record_chunk(self.clock(), len(audio) / self.model.spec.sample_rate)
         self._deliver(r, Event(r.id, EventKind.AUDIO, index=r.chunks_sent, audio=audio))
         r.chunks_sent += 1
 

@@ -2,10 +2,10 @@
 
 Policies:
 - online (default): streaming-aware. A request is pressing when its listener is close to running out of audio
-  (docs/scheduling.md). Pressing requests get LM slots and detokenizer windows first. With the LM at least
-  detok_defer_fill full (default 0: whenever it has work), the detokenizer runs only when a listener needs
-  audio soon or a full batch is ready, and then also fills its leftover slots with other requests' windows;
-  below that it decodes every ready window at once.
+  (docs/scheduling.md). Pressing requests get LM slots first. The detokenizer runs only when a listener needs
+  audio soon or a full batch is ready, and then also fills its leftover slots with other requests' windows.
+  With detok_pace_floor > 0, once the machine is near its limit (streams made barely faster than they play) it
+  serves the LM in arrival order and decodes only full batches, as offline does.
 - fcfs: continuous batching in arrival order; every ready window is decoded at once.
 - offline: fills the LM batch in arrival order and detokenizes in bulk (a full batch of windows, or whatever is
   left when the LM has nothing to do), for batch jobs where nobody listens live.
@@ -17,15 +17,24 @@ KV pages: when the pool runs dry, `preemption_victim` names the request that can
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from voxbackend.config import EngineConfig
 from voxbackend.request import Request
 
 MAX_SKIPPED_STEPS = 8  # a request passed over this many steps in a row is treated as pressing
+RATE_WINDOW_S = 1.0  # the rate windows become ready at is averaged over about this long
+IDLE_GAP_S = 0.5  # no decision for this long: the engine was idle, and the rate starts over
+FULL_BATCH_WITHIN_S = 0.3  # "near the limit" also needs a full codec batch to form this fast
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig):
         self.config = config
+        self.window_rate = WindowRate()
+        self.slow_pace = False  # the online detokenizer's last reading of the streams' pace
+        self.near_limit = False  # its last verdict; the LM order follows it
 
     def _urgent(self, r: Request, now: float) -> bool:
         return r.pressing(now, self.config.playback_margin_s) or r.skipped_steps >= MAX_SKIPPED_STEPS
@@ -34,8 +43,22 @@ class Scheduler:
         """A listener needs audio soon (batch jobs never do: they ride along, or run when the LM is idle)."""
         return r.streaming and (r.first_chunk_at is None or r.buffer_s(now) < self.config.detok_margin_s)
 
+    def _near_limit(self, ready: list[tuple[Request, int]], now: float) -> bool:
+        """The machine is near its limit: the streams are made barely faster than they play (their average pace
+        is below detok_pace_floor; when no ready stream has played long enough to tell, the last reading stands)
+        and windows come fast enough that a full codec batch forms within FULL_BATCH_WITHIN_S (waiting for one
+        costs listeners little; a device that is slow even with few streams keeps the rules for headroom)."""
+        paces = [p for r, _ in ready if (p := r.pace(now)) is not None]
+        if paces:
+            self.slow_pace = sum(paces) / len(paces) < self.config.detok_pace_floor
+        batch_s = self.window_rate.seconds_for(self.config.detok_batch)
+        self.near_limit = self.slow_pace and batch_s <= FULL_BATCH_WITHIN_S
+        return self.near_limit
+
     def _lm_order(self, lm_reqs: list[Request], now: float) -> list[Request]:
-        if self.config.policy != "online":
+        # near its limit online serves in arrival order too: when not every stream can keep playing, the oldest
+        # ones finishing beats spreading the shortfall over all of them
+        if self.config.policy != "online" or self.near_limit:
             return sorted(lm_reqs, key=lambda r: r.arrival)
 
         def key(r: Request):
@@ -78,35 +101,62 @@ class Scheduler:
     ) -> list[tuple[Request, int]]:
         """ready: (request, windows ready) for requests with at least one; lm_requests: requests on the LM (0:
         it is idle). Returns windows to decode now."""
-        if not ready:
-            return []
-        cap = self.config.detok_batch
         if stateful:  # a stateful codec decodes one window per request per call, in order
             ready = [(r, 1) for r, _ in ready]
-        policy = self.config.policy
-        if policy == "fcfs":
-            return _take(sorted(ready, key=lambda x: x[0].arrival), cap)
-        if policy == "offline":
-            total = sum(n for _, n in ready)
-            if lm_requests and total < cap:
-                return []
-            return _take(sorted(ready, key=lambda x: x[0].arrival), cap)
-        # Decode for a listener only when it needs audio soon: its first chunk, or a buffer below
+        total = sum(n for _, n in ready)
+        self.window_rate.observe(now, total)
+        plan = self._detok_plan(ready, total, lm_requests, now) if ready else []
+        self.window_rate.left(total - sum(n for _, n in plan))
+        return plan
+
+    def _detok_plan(self, ready: list[tuple[Request, int]], total: int, lm_requests: int, now: float):
+        cap = self.config.detok_batch
+        in_arrival_order = sorted(ready, key=lambda x: x[0].arrival)
+        if self.config.policy == "fcfs":
+            return _take(in_arrival_order, cap)
+        if self.config.policy == "offline" or (lm_requests and self._near_limit(ready, now)):
+            # Full batches only: every codec call's fixed cost comes out of the LM's time (on a CPU one window
+            # alone costs 2.5x a window in a batch of 16), and near the limit that time is what keeps streams
+            # playing; arrival order keeps the oldest ones playing when not all can.
+            return [] if lm_requests and total < cap else _take(in_arrival_order, cap)
+        # Otherwise decode for a listener only when it needs audio soon: its first chunk, or a buffer below
         # detok_margin_s. Until then its windows pile up, so the codec runs less often on bigger batches (its
         # fixed cost per call is what tipped streams into stalling near the knee with the LM's 1 s margin).
-        # detok_defer_fill > 0 holds windows back only with that share of max_batch on the LM and decodes at once
-        # below it (thicker buffers at low load in the simulation; in real time on a CPU it lost streams near the
-        # knee, where few streams fill the LM: docs/scheduling.md).
         urgent = [(r, n) for r, n in ready if self._detok_urgent(r, now)]
-        total = sum(n for _, n in ready)
-        defer = lm_requests >= max(1.0, self.config.detok_defer_fill * self.config.max_batch)
-        if not urgent and defer and total < cap:
+        if not urgent and lm_requests and total < cap:
             return []
         others = sorted([(r, n) for r, n in ready if not self._detok_urgent(r, now)],
                         key=lambda x: x[0].buffer_s(now))
         urgent.sort(key=lambda x: (x[0].first_chunk_at is not None, x[0].buffer_s(now)))
         plan = _split(urgent, cap)
         return plan + _take(others, cap - sum(n for _, n in plan))
+
+
+@dataclass
+class WindowRate:
+    """Codec windows becoming ready per second, averaged over about RATE_WINDOW_S: how much the ready count grew
+    between the detokenizer's decisions (windows of requests that ended in between are not seen as growth)."""
+
+    per_s: float = 0.0
+    at: float | None = None
+    pending: int = 0  # windows left ready after the last decision
+
+    def observe(self, now: float, ready: int) -> None:
+        if self.at is None or now - self.at > IDLE_GAP_S:
+            self.per_s = 0.0  # after an idle engine: unknown, which reads as low load
+        elif now > self.at:
+            dt = now - self.at
+            self.per_s += min(1.0, dt / RATE_WINDOW_S) * (max(0, ready - self.pending) / dt - self.per_s)
+        self.at, self.pending = now, ready
+
+    def left(self, windows: int) -> None:
+        self.pending = windows
+
+    def seconds_for(self, windows: int) -> float:
+        """How long `windows` more windows take to become ready at the recent rate (inf: none are coming)."""
+        if windows <= 0:
+            return 0.0
+        return windows / self.per_s if self.per_s > 0 else math.inf
 
 
 def preemption_victim(holders: list[Request], now: float) -> Request:

@@ -27,10 +27,14 @@ PREFILL_BATCH = 8  # VoxServe's prefill_graph_batch_size: the LM batch cap while
 
 class VoxServeScheduler(Scheduler):
     def _pressing(self, r: Request, now: float) -> bool:
-        """VoxServe's rule: from the chunks sent alone (nothing sent yet, or buffer <= last chunk + margin)."""
+        """VoxServe's rule: from the chunks sent alone (nothing sent yet, or buffer <= last chunk + margin), with
+        its playback clock: the first chunk's send time plus all audio sent, a player that never pauses (ours
+        resumes after running dry: Request.buffer_s)."""
         if not r.streaming:
             return False
-        return r.first_chunk_at is None or r.buffer_s(now) <= r.last_chunk_s + self.config.playback_margin_s
+        if r.first_chunk_at is None:
+            return True
+        return r.audio_sent_s - (now - r.first_chunk_at) <= r.last_chunk_s + self.config.playback_margin_s
 
     def schedule_lm(self, running: list[Request], now: float) -> list[tuple[Request, int]]:
         active = sorted((r for r in running if r.wants_lm), key=lambda r: r.arrival)
