@@ -160,7 +160,7 @@ class SimResult:
 def simulate(policy: str, workload: Workload, cost: CostModel, seed: int, *, max_batch: int = 32,
              kv_pages: int = 100_000, detok_batch: int = 16, first_chunk_s: float = 0.0,
              playback_margin_s: float = 1.0, detok_margin_s: float = EngineConfig.detok_margin_s,
-             detok_pace_floor: float = EngineConfig.detok_pace_floor,
+             detok_pace_floor: float = 0.0,
              delivery_jitter_s: float = 0.0,
              record: bool = False, horizon_s: float = 600.0) -> SimResult:
     """delivery_jitter_s: mean of an exponential delay between the engine's event and the client's receipt of

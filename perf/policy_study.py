@@ -50,7 +50,7 @@ class Settings:
     detok_batch: int
     policies: tuple[str, ...] = POLICIES
     detok_margin_s: float = EngineConfig.detok_margin_s  # the online policy's
-    detok_pace_floor: float = EngineConfig.detok_pace_floor  # the online policy's
+    detok_pace_floor: float = 0.0  # the online policy's (the simulated device is not a CPU: no "auto")
     first_chunk_s: float = 0.0  # EngineConfig.first_chunk_s
     delivery_jitter_s: float = 0.0  # mean delay from the engine's event to the client (policy_sim.simulate)
 
@@ -215,8 +215,9 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--detok-batch", type=int, default=16)
     ap.add_argument("--detok-margin", type=float, default=EngineConfig.detok_margin_s,
                     help="the online policy's detok_margin_s")
-    ap.add_argument("--detok-pace-floor", type=float, default=EngineConfig.detok_pace_floor,
-                    help="the online policy's detok_pace_floor (0: never decode in full batches only)")
+    ap.add_argument("--detok-pace-floor", type=float, default=0.0,
+                    help="the online policy's detok_pace_floor (default 0: never act as offline; the engine's "
+                         "'auto' means 1.6 on a CPU, the simulated device is none)")
     ap.add_argument("--first-chunk", type=float, default=0.0, help="the engine's first_chunk_s")
     ap.add_argument("--delivery-jitter", type=float, default=0.0,
                     help="mean (exponential) delay of each chunk between the engine and the client, seconds")
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> Path:
                   a.detok_margin, a.detok_pace_floor, a.first_chunk, a.delivery_jitter)
     info = collect()
     tool = "policy" + (f"-detok-margin-{a.detok_margin:g}" if a.detok_margin != EngineConfig.detok_margin_s else "") + (
-        f"-pace-floor-{a.detok_pace_floor:g}" if a.detok_pace_floor != EngineConfig.detok_pace_floor else "") + (
+        f"-pace-floor-{a.detok_pace_floor:g}" if a.detok_pace_floor else "") + (
         f"-first-chunk-{a.first_chunk:g}" if a.first_chunk else "") + (
         f"-jitter-{a.delivery_jitter:g}" if a.delivery_jitter else "")
     stem = result_filename(tool, info)[: -len(".md")]

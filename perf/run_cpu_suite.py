@@ -11,7 +11,7 @@ Steps, in order (each one's failure is recorded in the results file; the others 
                  concurrency sweep against `orpheus_engine` (perf/perf_analyzer/*.sh, parse.py)
   5. goodput     open-loop Poisson rate sweeps (clients/loadgen) against engine and naive; goodput and ratio
   6. ablation    the same Poisson loads against one server per policy: online, fcfs, offline, voxserve, and
-                 online-pace-floor-1.6 (online acting as offline near the machine's limit, detok_pace_floor=1.6)
+                 online-pace-floor-0 (online never acting as offline near the machine's limit, detok_pace_floor=0)
   7. overhead    in-process engine, 32 streams kept in flight: share of wall time inside model forward +
                  LM head (candidate_logits) + codec (detokenize)
 """
@@ -47,10 +47,10 @@ from clients.loadgen import RequestOptions, load_prompts, run_load  # noqa: E402
 from clients.stream_metrics import (StreamTimeline, goodput_label, markdown_table,  # noqa: E402
                                     summarize)
 
-# the ablation's servers: every policy with its defaults, and online switching to arrival order and full codec
-# batches near the machine's limit (detok_pace_floor 1.6), measured in the same run
+# the ablation's servers: every policy with its defaults (online on a CPU: arrival order and full codec batches
+# near the machine's limit), and online without that switch (detok_pace_floor 0), measured in the same run
 ABLATION_SERVERS: tuple[tuple[str, str, dict[str, str]], ...] = tuple((p, p, {}) for p in POLICIES) + (
-    ("online-pace-floor-1.6", "online", {"detok_pace_floor": "1.6"}),)  # label, policy, engine parameters
+    ("online-pace-floor-0", "online", {"detok_pace_floor": "0"}),)  # label, policy, engine parameters
 
 SAMPLE_RATE = 24000
 SIZING = """\
@@ -568,9 +568,9 @@ class Suite:
             f"The same Poisson loads ({', '.join(f'{r:g}' for r in rates)} req/s, {st.ablation_duration:g} s of "
             f"arrivals each, arrival seeds {', '.join(str(st.seed + k) for k in st.ablation_seeds)}, max_tokens "
             f"{st.max_tokens}) against one server per policy (`--set policy=...`): `online` = streaming-aware "
-            "(pressing streams first, windows deferred while a buffer is thick), `online-pace-floor-1.6` = the "
-            "same policy serving in arrival order with full codec batches near the machine's limit "
-            "(`detok_pace_floor=1.6`), "
+            "(pressing streams first, windows deferred while a buffer is thick; on a CPU, arrival order and full "
+            "codec batches near the machine's limit), `online-pace-floor-0` = the same policy without that switch "
+            "(`detok_pace_floor=0`), "
             "`fcfs` = plain continuous "
             "batching, `offline` = largest LM batch, detokenize in bulk, `voxserve` = VoxServe's published online "
             "policy (docs/scheduling.md). Rates: " + ("given with --ablation-rates" if st.ablation_rates else

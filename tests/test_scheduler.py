@@ -56,15 +56,18 @@ def test_chunked_prefill_under_token_budget_with_several_prefills():
 
 def _online(now: float = 100.0, windows_per_s: float = 1000.0, **config) -> Scheduler:
     """The online scheduler with windows coming at `windows_per_s` (a full batch forms within milliseconds by
-    default)."""
-    sched = Scheduler(EngineConfig(policy="online", **config))
+    default) and, unless given, no pace floor (the rules with headroom; on a CPU device "auto" is 1.6)."""
+    sched = Scheduler(EngineConfig(policy="online", **{"detok_pace_floor": 0.0, **config}))
     sched.window_rate = WindowRate(per_s=windows_per_s, at=now)
     return sched
 
 
-def test_pace_floor_is_checked():
-    with pytest.raises(ValueError, match="detok_pace_floor"):
-        EngineConfig(detok_pace_floor=-1.0)
+def test_pace_floor_is_checked_and_auto_means_on_only_on_a_cpu():
+    assert EngineConfig().pace_floor == 1.6 and EngineConfig(device="cuda:0").pace_floor == 0.0
+    assert EngineConfig.from_options({"detok_pace_floor": "0.5"}).pace_floor == 0.5
+    for bad in (-1.0, "fast"):
+        with pytest.raises(ValueError, match="detok_pace_floor"):
+            EngineConfig(detok_pace_floor=bad)
 
 
 def test_window_rate_follows_growth_between_decisions_and_restarts_after_idle():

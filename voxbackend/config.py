@@ -8,6 +8,7 @@ if TYPE_CHECKING:
     import torch
 
 POLICIES = ("online", "fcfs", "offline", "voxserve")  # voxserve: VoxServe's own policy, for ablation
+CPU_PACE_FLOOR = 1.6  # what detok_pace_floor "auto" means on a CPU
 
 
 @dataclass
@@ -25,9 +26,10 @@ class EngineConfig:
     detok_margin_s: float = 0.15  # online policy: decode a stream's windows once its buffer is below this
     # online policy: near the machine's limit (the streams' average pace, audio made per second since their first
     # chunk, below this x real time, and a full codec batch forming within 0.3 s) serve the LM in arrival order and
-    # decode only full batches, as offline does. 0 (default): never. 1.6 helps where each codec call has a large
-    # fixed cost (a CPU) and hurts where the LM alone makes streams barely faster than this (docs/scheduling.md)
-    detok_pace_floor: float = 0.0
+    # decode only full batches, as offline does; 0: never. "auto": 1.6 on a CPU, where each codec call has a large
+    # fixed cost (measured), 0 elsewhere (on a device whose LM alone makes streams barely faster than the floor it
+    # costs streams at low load, in the simulation; not measured on a GPU): docs/scheduling.md
+    detok_pace_floor: str = "auto"
     first_chunk_s: float = 0.0  # hold a stream's first audio until it is this long (0: send the first window at once)
     attention: str = "auto"  # auto | torch | flashinfer
     # server-side cap on a request's max_tokens (LM steps); above it a request is refused. 0: the model's
@@ -37,8 +39,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.detok_pace_floor < 0:
-            raise ValueError(f"detok_pace_floor must be >= 0, got {self.detok_pace_floor}")
+        if self.pace_floor < 0:
+            raise ValueError(f"detok_pace_floor must be >= 0 or 'auto', got {self.detok_pace_floor!r}")
         if self.detok_margin_s < 0:
             raise ValueError(f"detok_margin_s must be >= 0, got {self.detok_margin_s}")
         for name in ("max_batch", "kv_pages", "page_size", "prefill_budget", "max_queue", "detok_batch"):
@@ -50,6 +52,16 @@ class EngineConfig:
             raise ValueError(f"attention must be auto, torch or flashinfer, got {self.attention!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @property
+    def pace_floor(self) -> float:
+        """detok_pace_floor as a number ("auto" resolved for this config's device)."""
+        if self.detok_pace_floor == "auto":
+            return CPU_PACE_FLOOR if self.device == "cpu" else 0.0
+        try:
+            return float(self.detok_pace_floor)
+        except ValueError:
+            raise ValueError(f"detok_pace_floor must be a number or 'auto', got {self.detok_pace_floor!r}") from None
 
     @property
     def torch_dtype(self) -> "torch.dtype":

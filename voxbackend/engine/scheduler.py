@@ -4,7 +4,7 @@ Policies:
 - online (default): streaming-aware. A request is pressing when its listener is close to running out of audio
   (docs/scheduling.md). Pressing requests get LM slots first. The detokenizer runs only when a listener needs
   audio soon or a full batch is ready, and then also fills its leftover slots with other requests' windows.
-  With detok_pace_floor > 0, once the machine is near its limit (streams made barely faster than they play) it
+  With a pace floor (detok_pace_floor; on a CPU by default), once the machine is near its limit (streams made barely faster than they play) it
   serves the LM in arrival order and decodes only full batches, as offline does.
 - fcfs: continuous batching in arrival order; every ready window is decoded at once.
 - offline: fills the LM batch in arrival order and detokenizes in bulk (a full batch of windows, or whatever is
@@ -50,7 +50,7 @@ class Scheduler:
         costs listeners little; a device that is slow even with few streams keeps the rules for headroom)."""
         paces = [p for r, _ in ready if (p := r.pace(now)) is not None]
         if paces:
-            self.slow_pace = sum(paces) / len(paces) < self.config.detok_pace_floor
+            self.slow_pace = sum(paces) / len(paces) < self.config.pace_floor
         batch_s = self.window_rate.seconds_for(self.config.detok_batch)
         self.near_limit = self.slow_pace and batch_s <= FULL_BATCH_WITHIN_S
         return self.near_limit

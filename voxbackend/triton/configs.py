@@ -41,7 +41,7 @@ ENGINE_PARAMS = {
     "first_chunk_s": "0",  # hold each stream's first audio until it is this long (seconds)
     "playback_margin_s": "1.0",  # online policy: buffer below last chunk + this margin = pressing
     "detok_margin_s": "0.15",  # online policy: a stream's windows are decoded once its buffer is below this
-    "detok_pace_floor": "0",  # online policy: near the limit (streams made below this x real time) act as offline
+    "detok_pace_floor": "auto",  # online policy: near the limit (streams made below this x real time) act as offline
     "attention": "auto",  # auto | torch | flashinfer
     "max_tokens_limit": "0",  # largest max_tokens a request may ask; 0 = the model's official maximum
     "engine_loader": "voxbackend:load",  # module:function(model_dir, codec_dir=..., **options) -> engine
