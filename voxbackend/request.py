@@ -9,6 +9,7 @@ from voxbackend.sampling_params import SamplingParams
 
 PACE_AFTER_S = 0.5  # a stream's pace is measured once it has played this long (before, one chunk decides it)
 
+
 @dataclass
 class Request:
     id: str

@@ -4,8 +4,9 @@ Policies:
 - online (default): streaming-aware. A request is pressing when its listener is close to running out of audio
   (docs/scheduling.md). Pressing requests get LM slots first. The detokenizer runs only when a listener needs
   audio soon or a full batch is ready, and then also fills its leftover slots with other requests' windows.
-  With a pace floor (detok_pace_floor; on a CPU by default), once the machine is near its limit (streams made barely faster than they play) it
-  serves the LM in arrival order and decodes only full batches, as offline does.
+  With a pace floor (detok_pace_floor; on a CPU by default), once the machine is near its limit (streams
+  made barely faster than they play) it serves the LM in arrival order and decodes only full batches, as
+  offline does.
 - fcfs: continuous batching in arrival order; every ready window is decoded at once.
 - offline: fills the LM batch in arrival order and detokenizes in bulk (a full batch of windows, or whatever is
   left when the LM has nothing to do), for batch jobs where nobody listens live.
@@ -116,7 +117,7 @@ class Scheduler:
             return _take(in_arrival_order, cap)
         if self.config.policy == "offline" or (lm_requests and self._near_limit(ready, now)):
             # Full batches only: every codec call's fixed cost comes out of the LM's time (on a CPU one window
-            # alone costs 2.5x a window in a batch of 16), and near the limit that time is what keeps streams
+            # alone costs 2.7x a window in a batch of 16), and near the limit that time is what keeps streams
             # playing; arrival order keeps the oldest ones playing when not all can.
             return [] if lm_requests and total < cap else _take(in_arrival_order, cap)
         # Otherwise decode for a listener only when it needs audio soon: its first chunk, or a buffer below
