@@ -112,14 +112,13 @@ class Scheduler:
 
     def _detok_plan(self, ready: list[tuple[Request, int]], total: int, lm_requests: int, now: float):
         cap = self.config.detok_batch
-        in_arrival_order = sorted(ready, key=lambda x: x[0].arrival)
         if self.config.policy == "fcfs":
-            return _take(in_arrival_order, cap)
+            return _take(_by_arrival(ready), cap)
         if self.config.policy == "offline" or (lm_requests and self._near_limit(ready, now)):
             # Full batches only: every codec call's fixed cost comes out of the LM's time (on a CPU one window
             # alone costs 2.7x a window in a batch of 16), and near the limit that time is what keeps streams
             # playing; arrival order keeps the oldest ones playing when not all can.
-            return [] if lm_requests and total < cap else _take(in_arrival_order, cap)
+            return [] if lm_requests and total < cap else _take(_by_arrival(ready), cap)
         # Otherwise decode for a listener only when it needs audio soon: its first chunk, or a buffer below
         # detok_margin_s. Until then its windows pile up, so the codec runs less often on bigger batches (its
         # fixed cost per call is what tipped streams into stalling near the knee with the LM's 1 s margin).
@@ -173,6 +172,10 @@ def make_scheduler(config: EngineConfig) -> Scheduler:
 
         return VoxServeScheduler(config)
     return Scheduler(config)
+
+
+def _by_arrival(items: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+    return sorted(items, key=lambda x: x[0].arrival)
 
 
 def _take(items: list[tuple[Request, int]], cap: int) -> list[tuple[Request, int]]:
