@@ -116,26 +116,47 @@ def test_penalty_over_candidates_equals_penalty_over_the_vocab():
     assert torch.equal(over_vocab, over_candidates)
 
 
-@pytest.mark.parametrize("columns", [1, 3])
-def test_penalty_history_grows_as_the_lists_it_replaces(columns):
-    """The runner's incremental history equals the prompt + output lists it used to rebuild every step: one
-    column kept whole (negative markers included, the penalty skips them), other columns without absent (-1)
-    entries, across calls that add one step, several steps, or none, and through its buffer growing."""
+@pytest.mark.parametrize("columns,on_prompt", [(1, True), (3, True), (3, False)])
+def test_penalty_table_holds_what_the_lists_hold(columns, on_prompt):
+    """The runner's device table of penalized ids gives, for every request of a step, its prompt (when the spec
+    penalizes prompts) + generated steps, -1 padded (negative markers kept: the penalty skips them), while
+    requests come and go (slots reused), steps are appended on the device, and some steps are taken without
+    the table (a batch without a penalty) and written from the host later."""
     import random
+    from types import SimpleNamespace
 
-    import numpy as np
-
-    from voxbackend.engine.model_runner import PenaltyHistory
+    from voxbackend.engine.model_runner import PenaltyTable
+    from voxbackend.request import Request
 
     rng = random.Random(columns)
-    row = (lambda: rng.randrange(-1, 50)) if columns == 1 else (lambda: [rng.randrange(-1, 50) for _ in range(columns)])
-    prompt = [row() for _ in range(5)]
-    output: list = []
-    history = PenaltyHistory(prompt, columns)
-    for call in range(60):
-        output.extend(row() for _ in range(rng.choice([0, 1, 1, 7])))
+    row = (lambda: rng.randrange(-3, 50)) if columns == 1 else (lambda: [rng.randrange(-3, 50) for _ in range(columns)])
+    table = PenaltyTable(SimpleNamespace(token_columns=columns, penalty_columns=None, penalty_on_prompt=on_prompt),
+                         "cpu")
+    live: list[Request] = []
+    born = 0
+    for step in range(150):
+        if len(live) < 6 or rng.random() < 0.1:
+            live.append(Request(f"r{born}", [row() for _ in range(rng.randrange(1, 9))], SamplingParams(), print, 0.0))
+            born += 1
+        batch = rng.sample(live, rng.randrange(1, len(live) + 1))
+        new = [row() for _ in batch]
+        if rng.random() < 0.2:  # a batch without a penalty: the table does not see this step
+            for r, s in zip(batch, new):
+                r.output_ids.append(s)
+            continue
+        kept = table.rows(batch)
         for c in range(columns):
-            want = prompt + output if columns == 1 else [r[c] for r in prompt + output if r[c] >= 0]
-            assert history.ids(c, output).tolist() == want, (call, c)
-    assert len(output) > 128  # grown past the first buffer
-    assert PenaltyHistory([], columns).ids(0, []).dtype == np.int64
+            got = table.history(kept, c).tolist()
+            for r, ids in zip(batch, got):
+                want = [x if columns == 1 else x[c] for x in (r.prompt_ids if on_prompt else []) + r.output_ids]
+                assert ids == want + [-1] * (kept.width - len(want)), (step, r.id, c)
+        table.append(batch, kept, torch.tensor(new).view(len(batch), -1).squeeze(1) if columns == 1 else torch.tensor(new))
+        for r, s in zip(batch, new):
+            r.output_ids.append(s)
+        if rng.random() < 0.15:  # one finishes: its slot goes back
+            gone = live.pop(rng.randrange(len(live)))
+            table.release(gone)
+    assert born > 12 and max(len(r.output_ids) for r in live) > 20  # slots reused, the table grown
+    for r in live:
+        table.release(r)
+    assert sorted(table.free) == list(range(len(table.table)))  # no slot leaks

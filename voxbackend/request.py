@@ -37,7 +37,8 @@ class Request:
     codes: list[int] = field(default_factory=list)
     windows_done: int = 0
     codec_state: Any = None
-    penalty_history: Any = None  # the model runner's growing copy of what the repetition penalty looks at
+    penalty_slot: int | None = None  # the model runner's row of penalized ids (PenaltyTable), while it samples
+    penalty_len: int = 0  # entries written in that row
     held_audio: list[Any] = field(default_factory=list)  # decoded audio held back until the first chunk is long enough
     # the listener's player (engine time): it starts when the first chunk is sent, pauses when it runs dry and
     # resumes with the next chunk
@@ -68,6 +69,11 @@ class Request:
         request's prefix)."""
         prompt = len(self.prompt_ids)
         return self.prompt_ids[start:end] + self.input_rows[max(0, start - prompt) : max(0, end - prompt)]
+
+    def position(self, i: int):
+        """The input of position i (positions(i, i + 1)[0])."""
+        prompt = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < prompt else self.input_rows[i - prompt]
 
     @property
     def on_lm(self) -> bool:

@@ -10,6 +10,7 @@ and, on a repeat, draw again from the whole temperature-scaled distribution with
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,24 +23,33 @@ _MASK32 = 0xFFFFFFFF
 RESAMPLE_STEP = 1 << 31  # the ras redraw's counter: disjoint from every step a request reaches
 
 
-def uniform_from_seed(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """Counter-based uniform in [0, 1): a 32-bit integer hash of (seed, step); all products stay below 2**63."""
+def _hash24(seed, step):
+    """24 random bits from (seed, step): a 32-bit integer hash, the same on torch tensors and numpy int64 arrays;
+    all products stay below 2**63."""
     x = (seed * 0x2545F491 + step * 0x5851F42D + 0x27D4EB2F) & _MASK32
     x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
     x = ((x ^ (x >> 15)) * 0x446CA68B) & _MASK32
     x = x ^ (x >> 16)
-    return (x >> 8).to(torch.float32) / float(1 << 24)
+    return x >> 8
+
+
+def uniform_from_seed(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Counter-based uniform in [0, 1) (float32, a multiple of 2**-24)."""
+    return _hash24(seed, step).to(torch.float32) / float(1 << 24)
 
 
 @dataclass
 class SamplingBatch:
-    temperature: torch.Tensor  # [B] float
+    temperature: torch.Tensor  # [B] float, 0 = greedy
+    divisor: torch.Tensor  # [B] float: the temperature, 1 in greedy rows
     top_k: torch.Tensor  # [B] long, 0 = off
-    top_p: torch.Tensor  # [B] float
+    top_p: torch.Tensor  # [B] float, inf where off (1): no mass is ever that large, so those rows never reject
     min_p: torch.Tensor  # [B] float
     penalty: torch.Tensor  # [B] float
     seed: torch.Tensor  # [B] long
     step: torch.Tensor  # [B] long: tokens generated so far
+    numbers: torch.Tensor  # [B, ROUNDS_AHEAD] float: the first truncation rounds' uniforms, made on the host
+    host_seed_step: np.ndarray  # [B, 2] int64: seed and step, kept to make the numbers of a shifted step
     history: torch.Tensor | None  # [B, L] long, -1 padded: tokens the repetition penalty looks at
     vocab_size: int
     all_greedy: bool = False  # known on the host, so an all-greedy batch needs no device sync to take argmax
@@ -53,16 +63,19 @@ class SamplingBatch:
 
     @classmethod
     def build(
-        cls, params: list[SamplingParams], steps: list[int], histories: Sequence[Sequence[int]], vocab_size: int,
-        device, recent: list[list[int]] | None = None,
+        cls, params: list[SamplingParams], steps: list[int], histories: torch.Tensor | Sequence[Sequence[int]] | None,
+        vocab_size: int, device, recent: list[list[int]] | None = None,
     ) -> "SamplingBatch":
-        """`recent`: each row's generated ids so far (or at least its last ras_window), for rows with ras."""
+        """`histories`: what the repetition penalty looks at, [B, L] ids on the device (-1 padded), or each row's
+        ids (padded here), or None (nothing). `recent`: each row's generated ids so far (or at least its last
+        ras_window), for rows with ras."""
         def t(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device)
 
         history = None
-        if any(p.repetition_penalty != 1.0 for p in params):
-            history = padded_history(histories, max(len(h) for h in histories), device)
+        if histories is not None and any(p.repetition_penalty != 1.0 for p in params):
+            history = histories if isinstance(histories, torch.Tensor) else padded_history(
+                histories, max(len(h) for h in histories), device)
         ras_threshold = window = None
         if any(p.ras_window > 0 for p in params):
             if recent is None:
@@ -72,14 +85,16 @@ class SamplingBatch:
             window = t([x + [-1] * (width - len(x)) for x in tails], torch.long)
             ras_threshold = t([p.ras_window * p.ras_tau_r if p.ras_window else float("inf") for p in params],
                               torch.float32)
+        # the per-row values go over as two arrays (one copy each); the fields are views of them
+        floats = np.array([(p.temperature, p.temperature or 1.0, p.top_p if p.top_p < 1 else np.inf, p.min_p,
+                            p.repetition_penalty) for p in params], dtype=np.float32)
+        ints = np.array([(p.top_k, p.seed, s) for p, s in zip(params, steps)], dtype=np.int64)
+        f = torch.from_numpy(np.concatenate([floats, _host_numbers(ints[:, 1], ints[:, 2])], 1)).to(device)
+        i = torch.from_numpy(ints).to(device)
         return cls(
-            temperature=t([p.temperature for p in params], torch.float32),
-            top_k=t([p.top_k for p in params], torch.long),
-            top_p=t([p.top_p for p in params], torch.float32),
-            min_p=t([p.min_p for p in params], torch.float32),
-            penalty=t([p.repetition_penalty for p in params], torch.float32),
-            seed=t([p.seed for p in params], torch.long),
-            step=t(steps, torch.long),
+            temperature=f[:, 0], divisor=f[:, 1], top_p=f[:, 2], min_p=f[:, 3], penalty=f[:, 4], numbers=f[:, 5:],
+            top_k=i[:, 0], seed=i[:, 1], step=i[:, 2],
+            host_seed_step=ints[:, 1:],
             history=history,
             vocab_size=vocab_size,
             all_greedy=all(p.temperature == 0 for p in params),
@@ -90,6 +105,14 @@ class SamplingBatch:
             any_top_p=any(p.top_p < 1 for p in params),
             any_min_p=any(p.min_p > 0 for p in params),
         )
+
+    def shifted(self, offset: int, **changes) -> "SamplingBatch":
+        """The batch with every row's step counter advanced by `offset` (a depth model's later columns draw their
+        own numbers), and `changes` to other fields."""
+        seed, step = self.host_seed_step[:, 0], self.host_seed_step[:, 1] + offset
+        numbers = torch.from_numpy(_host_numbers(seed, step)).to(self.step.device)
+        return dataclasses.replace(self, step=self.step + offset, numbers=numbers,
+                                   host_seed_step=np.stack([seed, step], 1), **changes)
 
 
 def padded_history(histories: Sequence[Sequence[int]], width: int, device) -> torch.Tensor:
@@ -110,14 +133,11 @@ def apply_repetition_penalty(
     whole row). History entries that name no candidate (padding, ids outside the row's candidates) point at a
     spare column past the end, so every entry that points at a real column is a hit and writes the same value."""
     columns = logits.shape[1]
-    valid = history >= 0
-    if token_ids is None:
-        pos = history.clamp(min=0)
-        hit = valid
-    else:  # candidates are ascending per row: find each history token among them
-        pos = torch.searchsorted(token_ids, history.clamp(min=0)).clamp(max=columns - 1)
-        hit = (token_ids.gather(1, pos) == history) & valid
-    pos = torch.where(hit, pos, columns)
+    if token_ids is None:  # ids are columns; negative ones (padding, placeholders) go to the spare column
+        pos = torch.where(history >= 0, history, columns)
+    else:  # candidates are ascending per row: find each history token among them (no candidate id is negative)
+        pos = torch.searchsorted(token_ids, history).clamp(max=columns - 1)
+        pos = torch.where(token_ids.gather(1, pos) == history, pos, columns)
     out = torch.cat([logits, logits[:, :1]], dim=1)
     values = out.gather(1, pos)
     p = penalty[:, None]
@@ -133,8 +153,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor |
     to_ids = (lambda idx: idx) if token_ids is None else (lambda idx: token_ids.gather(1, idx[:, None])[:, 0])
     if batch.all_greedy:
         return to_ids(logits.argmax(dim=-1))
-    temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
-    probs = (logits / temp[:, None]).softmax(dim=-1)
+    probs = (logits / batch.divisor[:, None]).softmax(dim=-1)
     column = draw_truncated(probs, batch)
     if batch.recent is not None:
         column = _repetition_aware(probs, column, to_ids, batch)
@@ -174,7 +193,7 @@ def draw_truncated(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     survivor and the whole mass that decides whether the next draw survives. Equal probabilities survive or fail
     together. (The sort-based sampler it replaced took ~1.7x as long on a CPU.)
     """
-    n, width = probs.shape
+    width = probs.shape[1]
     floor = None
     if batch.any_top_k:
         k = torch.where(batch.top_k < width, batch.top_k, 0)  # k >= the candidates truncates nothing
@@ -186,22 +205,23 @@ def draw_truncated(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         by_min_p = batch.min_p * probs.max(dim=-1).values
         floor = by_min_p if floor is None else torch.maximum(floor, by_min_p)
     support = probs if floor is None else _kept(probs, torch.ge, floor[:, None])
-    # the first rounds' numbers in one go (a call costs the same for one row or many)
-    numbers = _round_numbers(batch.seed, batch.step, torch.arange(_ROUNDS_AHEAD, device=probs.device))
+    numbers = batch.numbers
     column = inverse_cdf(support, numbers[:, 0])
     if not batch.any_top_p:
         return column
-    rows, drawn, top_p = torch.arange(n, device=probs.device), column, batch.top_p
+    rows, drawn, top_p = None, column, batch.top_p  # rows: the rows still drawing (None: all)
     for round_ in range(1, MAX_ROUNDS):
         above = _kept(support, torch.gt, support.gather(1, drawn[:, None]))  # strictly more likely than the draw
-        rejected = (above.sum(dim=-1) >= top_p) & (top_p < 1)
+        rejected = above.sum(dim=-1) >= top_p
         if not bool(rejected.any()):  # one host read per round (tiny engine, 32 rows at top_p 0.8: 1.4 on average)
             break
-        rows, support, top_p = rows[rejected], above[rejected], top_p[rejected]
-        if round_ < _ROUNDS_AHEAD:
+        again = rejected.nonzero()[:, 0]
+        rows = again if rows is None else rows[again]
+        support, top_p = above.index_select(0, again), top_p[again]
+        if round_ < ROUNDS_AHEAD:
             u = numbers[rows, round_]
         else:
-            u = _round_numbers(batch.seed[rows], batch.step[rows], torch.tensor([round_], device=probs.device))[:, 0]
+            u = uniform_from_seed(_round_seed(batch.seed[rows], round_), batch.step[rows])
         drawn = inverse_cdf(support, u)
         column[rows] = drawn
     return column
@@ -209,14 +229,18 @@ def draw_truncated(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 MAX_ROUNDS = 64  # a row needs ~ln(candidates) rounds at worst (a tiny top_p on a flat row); past it (never seen),
 # a row would keep its last draw
-ROUND_SEED = 0x9E3779B9  # round r draws with seed + r * this
-_ROUNDS_AHEAD = 4  # rounds whose numbers are computed up front
+ROUND_SEED = 0x9E3779B9  # round r draws with (seed + r * this) mod 2**32, so round 0 takes the row's own number
+ROUNDS_AHEAD = 4  # rounds whose numbers the batch brings from the host (~20 small device ops fewer a step)
 
 
-def _round_numbers(seed: torch.Tensor, step: torch.Tensor, rounds: torch.Tensor) -> torch.Tensor:
-    """[rows, len(rounds)]: round r draws with (seed + r * ROUND_SEED) mod 2**32, so round 0 takes the row's own
-    number."""
-    return uniform_from_seed((seed[:, None] + rounds * ROUND_SEED) & _MASK32, step[:, None])
+def _round_seed(seed, round_):
+    return (seed + round_ * ROUND_SEED) & _MASK32
+
+
+def _host_numbers(seed: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """[rows, ROUNDS_AHEAD] float32: the uniforms of the first rounds, exactly uniform_from_seed's."""
+    bits = _hash24(_round_seed(seed[:, None], np.arange(ROUNDS_AHEAD)), step[:, None])
+    return (bits / float(1 << 24)).astype(np.float32)
 
 
 def _kept(x: torch.Tensor, compare, threshold: torch.Tensor) -> torch.Tensor:

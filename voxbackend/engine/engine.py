@@ -434,6 +434,7 @@ class Engine:
             self._open_text.discard(r.id)
         self.pool.release(r.id)  # pages go back now, not after detokenization
         r.pages = []
+        self.runner.release(r)
         if self.detokenizer is None or self.detokenizer.finished(r):
             self._finish(r, reason=reason)
 
@@ -469,6 +470,7 @@ class Engine:
             self._open_text.discard(r.id)
         self.pool.release(r.id)
         r.pages = []
+        self.runner.release(r)
         if r in self.running:
             self.running.remove(r)
         if error is not None:
