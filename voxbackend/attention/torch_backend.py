@@ -8,6 +8,7 @@ large blocks instead of one small row per key position.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,11 +43,12 @@ class TorchPagedAttention:
         decodes: list[SeqSlice] = []
         self.groups = []
         for s in seqs:
-            total = s.context_len + s.q_len
-            write.extend(s.pages[i // ps] * ps + i % ps for i in range(s.context_len, total))
-            if s.q_len == 1:
+            if s.q_len == 1:  # a decode writes one slot
+                write.append(s.pages[s.context_len // ps] * ps + s.context_len % ps)
                 decodes.append(s)
                 continue
+            total = s.context_len + s.q_len
+            write.extend(s.pages[i // ps] * ps + i % ps for i in range(s.context_len, total))
             used = -(-total // ps)
             q_pos = torch.arange(s.context_len, total, device=device)[:, None]
             mask = (torch.arange(used * ps, device=device)[None, :] <= q_pos)[None, None]
@@ -54,18 +56,18 @@ class TorchPagedAttention:
             pages = torch.tensor(s.pages[:used], dtype=torch.long, device=device)
             self.groups.append(_Group(rows, pages, mask, is_decode=False))
         if decodes:
-            keys = [s.context_len + 1 for s in decodes]
-            width = -(-max(keys) // ps)
-            # numpy rows: the nested list through torch.tensor was the plan's slowest line
+            keys = np.array([s.context_len + 1 for s in decodes])
+            width = -(-int(keys.max()) // ps)
+            # one flat array of every row's pages, spread into the scratch-padded table in one numpy step
+            used = -(-keys // ps)
+            flat = np.fromiter(itertools.chain.from_iterable(s.pages[:u] for s, u in zip(decodes, used.tolist())),
+                               np.int64)
             table = np.full((len(decodes), width), self.scratch_page, dtype=np.int64)
-            for row, s, n in zip(table, decodes, keys):
-                used = -(-n // ps)
-                row[:used] = s.pages[:used]
-            pages = torch.from_numpy(table)
-            valid = torch.arange(width * ps)[None, :] < torch.tensor(keys)[:, None]
+            table[np.arange(width)[None, :] < used[:, None]] = flat
+            valid = np.arange(width * ps)[None, :] < keys[:, None]
             rows = torch.tensor([s.q_start for s in decodes], device=device)
-            self.groups.append(_Group(rows, pages.view(-1).to(device), valid.to(device)[:, None, None, :],
-                                      is_decode=True))
+            self.groups.append(_Group(rows, torch.from_numpy(table).view(-1).to(device),
+                                      torch.from_numpy(valid).to(device)[:, None, None, :], is_decode=True))
         self.slot_mapping = torch.tensor(write, dtype=torch.long, device=device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
