@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from voxbackend.attention.base import SeqSlice
+from voxbackend.ints import long_tensor
 
 
 @dataclass
@@ -53,7 +54,7 @@ class TorchPagedAttention:
             q_pos = torch.arange(s.context_len, total, device=device)[:, None]
             mask = (torch.arange(used * ps, device=device)[None, :] <= q_pos)[None, None]
             rows = torch.arange(s.q_start, s.q_start + s.q_len, device=device)
-            pages = torch.tensor(s.pages[:used], dtype=torch.long, device=device)
+            pages = long_tensor(s.pages[:used], device)
             self.groups.append(_Group(rows, pages, mask, is_decode=False))
         if decodes:
             keys = np.array([s.context_len + 1 for s in decodes])
@@ -65,10 +66,10 @@ class TorchPagedAttention:
             table = np.full((len(decodes), width), self.scratch_page, dtype=np.int64)
             table[np.arange(width)[None, :] < used[:, None]] = flat
             valid = np.arange(width * ps)[None, :] < keys[:, None]
-            rows = torch.tensor([s.q_start for s in decodes], device=device)
+            rows = long_tensor([s.q_start for s in decodes], device)
             self.groups.append(_Group(rows, torch.from_numpy(table).view(-1).to(device),
                                       torch.from_numpy(valid).to(device)[:, None, None, :], is_decode=True))
-        self.slot_mapping = torch.tensor(write, dtype=torch.long, device=device)
+        self.slot_mapping = long_tensor(write, device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_pages, v_pages = self.kv_cache[layer, 0], self.kv_cache[layer, 1]

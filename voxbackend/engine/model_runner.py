@@ -13,6 +13,7 @@ from voxbackend.attention.base import SeqSlice
 from voxbackend.attention.torch_backend import TorchPagedAttention
 from voxbackend.config import EngineConfig
 from voxbackend.engine.kv_pool import KVPool
+from voxbackend.ints import long_tensor
 from voxbackend.models.base import ModelSpec, PromptFeatures, SpeechModel
 from voxbackend.request import Request
 from voxbackend.sampling import SamplingBatch, mask_ids, sample
@@ -66,12 +67,12 @@ class ModelRunner:
         if feature_rows:  # only batches with FEATURE rows: models without prompt features keep their signature
             extra["features"] = PromptFeatures(torch.tensor(feature_rows, device=dev), torch.cat(feature_vectors))
         hidden = self.model.forward(
-            torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.attention, **extra
+            long_tensor(ids, dev), long_tensor(positions, dev), self.attention, **extra
         )
         if not sampled:
             return []
         # a pure decode step samples every row: no gather
-        rows = hidden if len(sample_rows) == len(hidden) else hidden[torch.tensor(sample_rows, device=dev)]
+        rows = hidden if len(sample_rows) == len(hidden) else hidden[long_tensor(sample_rows, dev)]
         logits, token_ids = self.model.candidate_logits(rows, [len(r.codes) for r in sampled])
         early = [len(r.output_ids) < r.sampling.min_tokens for r in sampled]
         if any(early) and self.model.spec.stop_ids:  # no stop before min_tokens
@@ -125,6 +126,7 @@ class PenaltyRows:
     """A step's requests in the penalty table: their slots and the longest history among them."""
 
     slots: torch.Tensor  # [B] long, on the device
+    ends: torch.Tensor  # [B] long: each one's entries so far, where this step's goes
     width: int
 
 
@@ -152,8 +154,8 @@ class PenaltyTable:
                 self.table[r.penalty_slot].fill_(-1)  # what a request before it left there
             if r.penalty_len < n:
                 self._write(r, n)
-        slots = torch.tensor([r.penalty_slot for r in requests], device=self.table.device)
-        return PenaltyRows(slots, max(1, width))
+        slots, ends = long_tensor([[r.penalty_slot for r in requests], lengths], self.table.device)
+        return PenaltyRows(slots, ends, max(1, width))
 
     def history(self, kept: PenaltyRows | None, column: int) -> torch.Tensor | None:
         """[B, width] ids of `column` for these rows; None where the penalty does not look at that column."""
@@ -164,8 +166,7 @@ class PenaltyTable:
 
     def append(self, requests: list[Request], kept: PenaltyRows, steps: torch.Tensor) -> None:
         """This step's sampled ids [B] (or rows [B, token_columns]), still on the device."""
-        at = torch.tensor([r.penalty_len for r in requests], device=self.table.device)
-        self.table[kept.slots, :, at] = steps.view(len(requests), -1)
+        self.table[kept.slots, :, kept.ends] = steps.view(len(requests), -1)
         for r in requests:
             r.penalty_len += 1
 

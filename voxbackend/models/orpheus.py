@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 
 from voxbackend.codecs.snac import SnacDecoder
 from voxbackend.errors import InvalidRequest
+from voxbackend.ints import long_tensor
 from voxbackend.models.base import ModelSpec, SpeechModel, WindowJob, WindowSpec
 from voxbackend.models.checkpoint import load_safetensors, read_config
 from voxbackend.models.decoder import DecoderConfig, build_decoder
@@ -157,9 +158,9 @@ class Orpheus(OrpheusFrontend):
             logits[:, 1:] = (hidden @ self._code_heads[present[0]].T).float()
         else:
             for p in present:
-                rows = torch.tensor([i for i, q in enumerate(positions) if q == p], device=device)
+                rows = long_tensor([i for i, q in enumerate(positions) if q == p], device)
                 logits[rows, 1:] = (hidden[rows] @ self._code_heads[p].T).float()
-        first = AUDIO_BASE + CODEBOOK * torch.tensor(positions, device=device)[:, None]
+        first = AUDIO_BASE + CODEBOOK * long_tensor(positions, device)[:, None]
         ids = torch.cat([self._stop.expand(len(hidden), 1), first + self._codebook_offsets], 1)
         return logits, ids  # ids ascending per row (the stop id is below every audio id)
 
