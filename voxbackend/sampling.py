@@ -90,10 +90,11 @@ class SamplingBatch:
                             p.repetition_penalty) for p in params], dtype=np.float32)
         ints = np.array([(p.top_k, p.seed, s) for p, s in zip(params, steps)], dtype=np.int64)
         f = torch.from_numpy(np.concatenate([floats, _host_numbers(ints[:, 1], ints[:, 2])], 1)).to(device)
-        i = torch.from_numpy(ints).to(device)
+        temperature, divisor, top_p, min_p, penalty = f[:, :5].unbind(1)
+        top_k, seed, step = torch.from_numpy(ints).to(device).unbind(1)
         return cls(
-            temperature=f[:, 0], divisor=f[:, 1], top_p=f[:, 2], min_p=f[:, 3], penalty=f[:, 4], numbers=f[:, 5:],
-            top_k=i[:, 0], seed=i[:, 1], step=i[:, 2],
+            temperature=temperature, divisor=divisor, top_p=top_p, min_p=min_p, penalty=penalty, numbers=f[:, 5:],
+            top_k=top_k, seed=seed, step=step,
             host_seed_step=ints[:, 1:],
             history=history,
             vocab_size=vocab_size,
@@ -138,7 +139,7 @@ def apply_repetition_penalty(
     else:  # candidates are ascending per row: find each history token among them (no candidate id is negative)
         pos = torch.searchsorted(token_ids, history).clamp(max=columns - 1)
         pos = torch.where(token_ids.gather(1, pos) == history, pos, columns)
-    out = torch.cat([logits, logits[:, :1]], dim=1)
+    out = torch.nn.functional.pad(logits, (0, 1))
     values = out.gather(1, pos)
     p = penalty[:, None]
     out.scatter_(1, pos, torch.where(values > 0, values / p, values * p))
@@ -167,7 +168,7 @@ def _repetition_aware(probs: torch.Tensor, column: torch.Tensor, to_ids, batch: 
     (inverse CDF over the candidates in their given order, with the row's second number)."""
     repeats = (batch.recent == to_ids(column)[:, None]).sum(dim=-1)
     redraw = repeats.float() >= batch.ras_threshold
-    full = inverse_cdf(probs, uniform_from_seed(batch.seed, batch.step + RESAMPLE_STEP))
+    full = inverse_cdf(probs, uniform_from_seed(batch.seed, batch.step + RESAMPLE_STEP)[:, None])[:, 0]
     return torch.where(redraw, full, column)
 
 
@@ -206,12 +207,12 @@ def draw_truncated(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         floor = by_min_p if floor is None else torch.maximum(floor, by_min_p)
     support = probs if floor is None else _kept(probs, torch.ge, floor[:, None])
     numbers = batch.numbers
-    column = inverse_cdf(support, numbers[:, 0])
+    column = inverse_cdf(support, numbers[:, :1])
     if not batch.any_top_p:
-        return column
+        return column[:, 0]
     rows, drawn, top_p = None, column, batch.top_p  # rows: the rows still drawing (None: all)
     for round_ in range(1, MAX_ROUNDS):
-        above = _kept(support, torch.gt, support.gather(1, drawn[:, None]))  # strictly more likely than the draw
+        above = _kept(support, torch.gt, support.gather(1, drawn))  # strictly more likely than the draw
         rejected = above.sum(dim=-1) >= top_p
         if not bool(rejected.any()):  # one host read per round (tiny engine, 32 rows at top_p 0.8: 1.4 on average)
             break
@@ -219,12 +220,12 @@ def draw_truncated(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         rows = again if rows is None else rows[again]
         support, top_p = above.index_select(0, again), top_p[again]
         if round_ < ROUNDS_AHEAD:
-            u = numbers[rows, round_]
+            u = numbers[rows, round_ : round_ + 1]
         else:
-            u = uniform_from_seed(_round_seed(batch.seed[rows], round_), batch.step[rows])
+            u = uniform_from_seed(_round_seed(batch.seed[rows], round_), batch.step[rows])[:, None]
         drawn = inverse_cdf(support, u)
         column[rows] = drawn
-    return column
+    return column[:, 0]
 
 
 MAX_ROUNDS = 64  # a row needs ~ln(candidates) rounds at worst (a tiny top_p on a flat row); past it (never seen),
@@ -252,8 +253,7 @@ def _kept(x: torch.Tensor, compare, threshold: torch.Tensor) -> torch.Tensor:
 
 
 def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Per row, the first column whose cumulative weight exceeds uniform * total. That column has weight: uniform
-    is below 1 - 2**-24, and such a product rounds below the total."""
+    """Per row, the first column whose cumulative weight exceeds uniform * total ([B, 1] in, [B, 1] out). That
+    column has weight: uniform is below 1 - 2**-24, and such a product rounds below the total."""
     cdf = weights.cumsum(dim=-1)
-    x = (uniform[:, None] * cdf[:, -1:]).contiguous()
-    return torch.searchsorted(cdf, x, right=True).clamp(max=weights.shape[-1] - 1)[:, 0]  # clamp: NaN rows
+    return torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp(max=weights.shape[-1] - 1)  # clamp: NaN
