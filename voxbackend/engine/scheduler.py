@@ -122,11 +122,11 @@ class Scheduler:
         # Otherwise decode for a listener only when it needs audio soon: its first chunk, or a buffer below
         # detok_margin_s. Until then its windows pile up, so the codec runs less often on bigger batches (its
         # fixed cost per call is what tipped streams into stalling near the knee with the LM's 1 s margin).
-        urgent = [(r, n) for r, n in ready if self._detok_urgent(r, now)]
+        is_urgent = [self._detok_urgent(r, now) for r, _ in ready]
+        urgent = [x for x, u in zip(ready, is_urgent) if u]
         if not urgent and lm_requests and total < cap:
             return []
-        others = sorted([(r, n) for r, n in ready if not self._detok_urgent(r, now)],
-                        key=lambda x: x[0].buffer_s(now))
+        others = sorted([x for x, u in zip(ready, is_urgent) if not u], key=lambda x: x[0].buffer_s(now))
         urgent.sort(key=lambda x: (x[0].first_chunk_at is not None, x[0].buffer_s(now)))
         plan = _split(urgent, cap)
         return plan + _take(others, cap - sum(n for _, n in plan))
