@@ -238,9 +238,12 @@ def _round_seed(seed, round_):
     return (seed + round_ * ROUND_SEED) & _MASK32
 
 
+_AHEAD_OFFSETS = np.arange(ROUNDS_AHEAD) * ROUND_SEED
+
+
 def _host_numbers(seed: np.ndarray, step: np.ndarray) -> np.ndarray:
     """[rows, ROUNDS_AHEAD] float32: the uniforms of the first rounds, exactly uniform_from_seed's."""
-    bits = _hash24(_round_seed(seed[:, None], np.arange(ROUNDS_AHEAD)), step[:, None])
+    bits = _hash24((seed[:, None] + _AHEAD_OFFSETS) & _MASK32, step[:, None])
     return (bits / float(1 << 24)).astype(np.float32)
 
 
