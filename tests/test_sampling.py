@@ -150,7 +150,7 @@ def test_penalty_table_holds_what_the_lists_hold(columns, on_prompt):
             for r, ids in zip(batch, got):
                 want = [x if columns == 1 else x[c] for x in (r.prompt_ids if on_prompt else []) + r.output_ids]
                 assert ids == want + [-1] * (kept.width - len(want)), (step, r.id, c)
-        table.append(batch, kept, torch.tensor(new).view(len(batch), -1).squeeze(1) if columns == 1 else torch.tensor(new))
+        table.append(batch, kept, torch.tensor(new))  # [B] ids, or [B, columns] rows
         for r, s in zip(batch, new):
             r.output_ids.append(s)
         if rng.random() < 0.15:  # one finishes: its slot goes back

@@ -114,7 +114,8 @@ class ModelRunner:
         return tail if self.model.spec.token_columns == 1 else [row[0] for row in tail]
 
     def _column_batch(self, batch: SamplingBatch, kept: PenaltyRows | None, column: int) -> SamplingBatch:
-        return batch.shifted(column, history=self.penalties.history(kept, column), vocab_size=self._column_vocab(column))
+        history = self.penalties.history(kept, column)
+        return batch.shifted(column, history=history, vocab_size=self._column_vocab(column))
 
     def _column_vocab(self, column: int) -> int:
         spec = self.model.spec
