@@ -103,6 +103,7 @@ def test_requests_wait_for_pages_instead_of_failing(llama_dir):
 
 
 def test_random_admissions_cancellations_and_failures_leave_every_page_free(llama_dir):
+    """KV pages and repetition-penalty slots all come back, through admissions, cancellations and failures."""
     engine = _engine(llama_dir, kv_pages=40, max_batch=4, detok_batch=3, max_queue=1000)
     rng = random.Random(0)
     rec = Recorder()
@@ -114,18 +115,22 @@ def test_random_admissions_cancellations_and_failures_leave_every_page_free(llam
         return forward(*args)
 
     engine.model.forward = flaky_forward
+    penalties = engine.runner.penalties
     ids = []
     for _ in range(300):
         action = rng.random()
         if action < 0.25:
             prompt = [rng.randrange(3, 500) for _ in range(rng.randrange(1, 30))]
-            sp = SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randrange(1, 40), seed=rng.randrange(99))
+            sp = SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randrange(1, 40),
+                                seed=rng.randrange(99), repetition_penalty=rng.choice([1.0, 1.3]))
             ids.append(engine.submit(prompt, sp, rec))
         elif action < 0.35 and ids:
             engine.cancel(rng.choice(ids))
         else:
             engine.step()
         assert engine.pool.used_pages == sum(len(r.pages) for r in engine.running)
+        held = [r.penalty_slot for r in engine.running if r.penalty_slot is not None]
+        assert len(set(held)) == len(held) and not set(held) & set(penalties.free)
     engine.model.forward = forward
     while any(rec.final(i) is None for i in ids):
         engine.step()
@@ -136,6 +141,7 @@ def test_random_admissions_cancellations_and_failures_leave_every_page_free(llam
     for rid in ids:  # exactly one final event per request, and it is the last
         assert sum(e.final for e in rec.events[rid]) == 1
     assert engine.pool.used_pages == 0 and engine.pool.holders() == []
+    assert len(penalties.table) and sorted(penalties.free) == list(range(len(penalties.table)))  # no slot leaked
 
 
 def test_cancel_mid_stream_stops_generation_and_frees_pages(llama_dir):
