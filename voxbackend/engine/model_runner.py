@@ -182,8 +182,7 @@ class PenaltyTable:
     def _write(self, r: Request, n: int) -> None:
         start, prompt = r.penalty_len, (r.prompt_ids if self.spec.penalty_on_prompt else [])
         entries = prompt[start:] + r.output_ids[max(0, start - len(prompt)) : n - len(prompt)]
-        ids = torch.tensor(entries, dtype=torch.long).view(len(entries), -1)
-        self.table[r.penalty_slot, :, start:n] = ids.T.to(self.table.device)
+        self.table[r.penalty_slot, :, start:n] = long_tensor(entries, self.table.device).view(len(entries), -1).T
         r.penalty_len = n
 
     def _grow(self, new_slots: int, width: int) -> None:
