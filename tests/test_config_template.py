@@ -53,43 +53,39 @@ def test_a_checkpoint_override_belongs_to_one_model(tmp_path: Path):
     assert all('key: "kv_pages" value: { string_value: "64" }' in rendered[f"{m.name}_engine"]
                for m in configs.SERVED_MODELS)
     repo = configs.write_repository(tmp_path / "repo", {"checkpoint": "/ckpt/csm"}, models=["csm"])
-    assert sorted(p.name for p in repo.iterdir()) == sorted(["csm", "csm_engine", "csm_preprocess",
-                                                             configs.POSTPROCESS])
+    assert sorted(p.name for p in repo.iterdir()) == sorted(["csm", "csm_engine", "csm_preprocess"])
 
 
-def _step_maps(ensemble: str) -> list[tuple[str, dict[str, str], dict[str, str]]]:
-    steps = []
-    for block in ensemble.split("model_name: ")[1:]:
-        name = block.split('"')[1]
-        ins = dict(re.findall(r'input_map \{ key: "(\w+)" value: "(\w+)" \}', block))
-        outs = dict(re.findall(r'output_map \{ key: "(\w+)" value: "(\w+)" \}', block))
-        steps.append((name, ins, outs))
-    return steps
+def _tensor_names(config: str, kind: str) -> set[str]:
+    block = config.split(f"\n{kind} [")[1].split("\n]")[0]
+    return set(re.findall(r'name: "(\w+)"', block))
 
 
 @pytest.mark.parametrize("model", configs.SERVED_MODELS, ids=lambda m: m.name)
-def test_ensemble_steps_follow_the_decoupled_origin_rule(model):
-    (pre, pre_in, pre_out), (eng, eng_in, eng_out), (post, post_in, post_out) = _step_maps(
-        configs.render_all()[model.name])
-    assert (pre, eng, post) == (model.preprocess, model.engine, configs.POSTPROCESS)
-    # the step after the decoupled engine reads only the engine's outputs
-    assert set(post_in.values()) <= set(eng_out.values())
-    assert set(post_in) == {s.name for s in schema.POSTPROCESS_INPUTS}
-    # every engine input the preprocess produces is wired; every client output comes from the postprocess
-    assert set(eng_in.values()) <= set(pre_out.values())
-    assert set(post_out.values()) == {s.name for s in schema.POSTPROCESS_OUTPUTS}
-    assert set(pre_in) == {s.name for s in schema.client_inputs(model.input_specs)}
-
-
-def test_engine_and_postprocess_are_decoupled_and_every_tensor_is_documented():
+def test_the_front_model_wires_preprocess_outputs_to_engine_inputs_by_name(model):
+    """The front model hands the preprocess's output tensors to the engine as they are (BLS, by name) and sends
+    its client what it makes of the engine's outputs."""
     rendered = configs.render_all()
-    # the postprocess is decoupled so that a probe can end without a response (cancel_channel)
-    for name in ("orpheus_engine", configs.POSTPROCESS):
+    front = rendered[model.name]
+    assert 'backend: "python"' in front and "model_transaction_policy { decoupled: true }" in front
+    assert f'key: "preprocess_model" value: {{ string_value: "{model.preprocess}" }}' in front
+    assert f'key: "engine_model" value: {{ string_value: "{model.engine}" }}' in front
+    assert _tensor_names(front, "input") == _tensor_names(rendered[model.preprocess], "input") == {
+        s.name for s in schema.client_inputs(model.input_specs)}
+    assert _tensor_names(rendered[model.preprocess], "output") <= _tensor_names(rendered[model.engine], "input")
+    assert _tensor_names(front, "output") == {s.name for s in schema.CLIENT_OUTPUTS}
+    assert {"AUDIO", "AUDIO_FORMAT", "STREAM_ID", *(s.name for s in schema.CHUNK_META)} <= _tensor_names(
+        rendered[model.engine], "output")
+
+
+def test_engine_and_front_are_decoupled_and_every_tensor_is_documented():
+    rendered = configs.render_all()
+    for name in ("orpheus_engine", "orpheus"):
         assert "model_transaction_policy { decoupled: true }" in rendered[name], name
     assert "decoupled" not in rendered["orpheus_preprocess"]
     model_inputs = [s for m in configs.SERVED_MODELS
                     for s in (*schema.client_inputs(m.input_specs), *schema.engine_inputs(m.input_specs))]
-    for spec in (*schema.ENGINE_OUTPUTS, *schema.POSTPROCESS_OUTPUTS, *model_inputs):
+    for spec in (*schema.ENGINE_OUTPUTS, *schema.CLIENT_OUTPUTS, *model_inputs):
         assert spec.doc, f"{spec.name} needs a doc line (it is the schema documentation in config.pbtxt)"
 
 
@@ -192,7 +188,7 @@ def test_a_text_stream_config_is_a_sequence_batched_decoupled_engine():
     inputs = re.findall(r'name: "(\w+)"', text.split("\ninput [")[1].split("output [")[0])
     assert inputs == [s.name for s in schema.client_inputs(m.input_specs)]
     outputs = re.findall(r'name: "(\w+)"', text.split("output [")[1].split("instance_group")[0])
-    assert outputs == [s.name for s in schema.POSTPROCESS_OUTPUTS]
+    assert outputs == [s.name for s in schema.CLIENT_OUTPUTS]
     assert 'key: "model_kind" value: { string_value: "orpheus" }' in text and "frontend_loader" not in text
     files = configs.text_stream_files(m)
     assert "text_stream_model import TextStreamModel as TritonPythonModel" in files[f"{m.text_stream}/1/model.py"]

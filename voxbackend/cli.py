@@ -32,7 +32,7 @@ _PARAM = re.compile(r'parameters \{ key: "(\w+)" value: \{ string_value: "([^"]*
 
 def default_repository() -> Path:
     local = Path.cwd() / "model_repository"
-    return local if (local / configs.POSTPROCESS).is_dir() else configs.DEFAULT_REPOSITORY
+    return local if any(local.glob("*/config.pbtxt")) else configs.DEFAULT_REPOSITORY
 
 
 def ensure_default_checkpoints(repository: Path) -> None:
@@ -78,12 +78,13 @@ def make_server(args: argparse.Namespace) -> TritonServer:
 def cmd_serve(args: argparse.Namespace) -> int:
     server = make_server(args)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    drain = []  # SIGTERM (docker stop, Kubernetes): let open streams finish; Ctrl-C: end them now
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: (drain.append(True), stop.set()))
     server.start(timeout=args.timeout)
     api = start_api(args, server)
     print(f"ready: grpc {server.grpc_url}  http {server.http_url}  metrics {server.metrics_url}\n"
-          f"log: {server.log_file}  (Ctrl-C stops)", flush=True)
+          f"log: {server.log_file}  (Ctrl-C stops; SIGTERM drains)", flush=True)
     try:
         while not stop.wait(1.0):
             if server.proc.poll() is not None:
@@ -92,7 +93,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         if api is not None:
             api.stop()
-        code = server.close()
+        if drain:
+            print("SIGTERM: draining (open streams may finish within drain_grace_s)", flush=True)
+        code = server.close(drain=bool(drain))
     print(f"stopped (exit {code})", flush=True)
     sys.stderr.flush()
     # Nothing is left to release: skip the interpreter's teardown of torch (imported through the model

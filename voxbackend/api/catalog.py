@@ -1,8 +1,8 @@
 """What the Triton server serves, read from it: its repository index and each model's config (gRPC).
 
-A speech model, for this API, is a ready ensemble that takes TEXT and returns AUDIO; its decoupled step is
-the engine (whose Prometheus gauges carry that model name), its first step the preprocess, whose config
-parameters say where the model's front end lives. Voices live in the front end (the model class decides
+A speech model, for this API, is a ready front model (voxbackend.triton.front_model) that takes TEXT and
+returns AUDIO; its `engine_model` parameter names the engine (whose Prometheus gauges carry that model name),
+its `preprocess_model` the preprocess, whose config parameters say where the model's front end lives. Voices live in the front end (the model class decides
 them), so they are asked of it in one short-lived child interpreter (frontend_info): this process never loads
 a tokenizer, torch or weights.
 """
@@ -22,8 +22,8 @@ VOICE_INPUTS = ("VOICE", "SPEAKER")  # named voices, or integer speaker ids (CSM
 
 @dataclass
 class SpeechModel:
-    name: str  # the ensemble clients call
-    engine: str  # its decoupled step
+    name: str  # the front model clients call
+    engine: str  # the engine model it calls
     preprocess: str | None
     inputs: tuple[str, ...]
     parameters: dict[str, str] = field(default_factory=dict)  # the preprocess step's (front end location)
@@ -51,7 +51,7 @@ def _parameters(config: dict) -> dict[str, str]:
 
 
 def read_models(url: str, timeout: float = 10.0) -> list[SpeechModel]:
-    """The ready speech ensembles of the server at `url` (blocking)."""
+    """The ready speech models of the server at `url` (blocking)."""
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
@@ -65,15 +65,12 @@ def read_models(url: str, timeout: float = 10.0) -> list[SpeechModel]:
     models = []
     for name, cfg in configs.items():
         inputs, outputs = _names(cfg.get("input", [])), _names(cfg.get("output", []))
-        if cfg.get("platform") != "ensemble" or "TEXT" not in inputs or "AUDIO" not in outputs:
+        parts = _parameters(cfg)
+        engine, preprocess = parts.get("engine_model"), parts.get("preprocess_model") or None
+        if engine not in configs or "TEXT" not in inputs or "AUDIO" not in outputs:
             continue
-        steps = [s["model_name"] for s in cfg.get("ensemble_scheduling", {}).get("step", [])]
-        decoupled = [s for s in steps if configs.get(s, {}).get("model_transaction_policy", {}).get("decoupled")]
-        if not decoupled:
-            continue
-        preprocess = steps[0] if steps[0] != decoupled[0] else None
-        models.append(SpeechModel(name, decoupled[0], preprocess, inputs,
-                                  _parameters(configs.get(preprocess, {})) if preprocess else {}))
+        models.append(SpeechModel(name, engine, preprocess,
+                                  inputs, _parameters(configs.get(preprocess, {})) if preprocess else {}))
     return models
 
 

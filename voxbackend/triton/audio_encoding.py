@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from voxbackend.triton.schema import AUDIO_FORMATS
+from voxbackend.triton.schema import AUDIO_FORMATS, CHUNK_META
 
 SAMPLE_DTYPES = {"pcm16": np.dtype("<i2"), "fp32": np.dtype("<f4")}
 
@@ -23,3 +23,10 @@ def decode(data: bytes, fmt: str) -> np.ndarray:
     """Inverse of encode, as float32 in [-1, 1] (clients use this)."""
     samples = np.frombuffer(data, dtype=SAMPLE_DTYPES[fmt])
     return samples.astype(np.float32) / 32767.0 if fmt == "pcm16" else samples.astype(np.float32)
+
+
+def client_outputs(engine: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """An engine response (float AUDIO, its AUDIO_FORMAT) -> what a client gets (AUDIO as bytes in that format)."""
+    fmt = engine["AUDIO_FORMAT"].reshape(-1)[0]
+    data = encode(engine["AUDIO"], fmt.decode() if isinstance(fmt, bytes) else str(fmt))
+    return {"AUDIO": np.array([data], dtype=np.object_), **{spec.name: engine[spec.name] for spec in CHUNK_META}}

@@ -1,15 +1,14 @@
 """Messages to an engine instance from outside Triton: a stream's cancellation, and the launcher's shutdown.
 
-Triton 2.51 does not pass an ensemble's cancellation to a decoupled step that is already running: the engine's
-is_cancelled() stays False while the ensemble checks cancellation only when it schedules the next step, so
-each later audio_postprocess request sees request.is_cancelled() == True. The postprocess then sends the
-engine's stream id as one datagram to the engine instance's abstract Unix socket (named inside the id), and
-the instance cancels the request in its engine. A queued stream has no audio to pass through the postprocess,
-so the engine sends it probes (streams.PROBE) that the postprocess relays the same way and then drops.
+The front model (front_model.py) calls the engine by BLS, and a BLS request cannot be cancelled in Triton 2.51,
+so the engine's is_cancelled() stays False when the front model's client goes away. The front model then sends
+the engine's stream id (its STREAM_ID output) as one datagram to the engine instance's abstract Unix socket
+(named inside the id), and the instance cancels the request in its engine. A queued stream has sent no audio
+yet, so the engine sends it probes (streams.PROBE), which tell the front model the id; it drops them.
 
 On SIGINT Triton waits for every in-flight request before it unloads a model, so the launcher first sends
 SHUTDOWN to each engine instance of its server (the socket names carry the server's pid): the instance ends
-every stream with a final response and refuses new ones. Same host only, which is where ensemble steps and the
+every stream with a final response and refuses new ones. Same host only, which is where a model's parts and the
 launcher run.
 """
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Render the model repository (every config.pbtxt and 1/model.py) from one source: the model registry.
 
-Each registry kind with a `served` description is served as three models (`<name>_preprocess`, `<name>_engine`,
-the `<name>` ensemble) sharing `audio_postprocess`; its request inputs are the ones its model class declares.
+Each registry kind with a `served` description is served as three models: `<name>`, the decoupled front model
+clients call, which runs `<name>_preprocess` and `<name>_engine` by BLS; its request inputs are the ones its model
+class declares.
 A kind whose model takes text in pieces (`text_streaming`) also gets `<name>_text_stream`, a sequence-batched
 engine model (docs/text_streaming.md). Adding a model is its registry entry; nothing here changes.
 
@@ -20,7 +21,6 @@ from voxbackend.models import registry
 from voxbackend.triton import schema
 from voxbackend.triton.schema import TensorSpec
 
-POSTPROCESS = "audio_postprocess"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
 
@@ -43,6 +43,7 @@ ENGINE_PARAMS = {
     "detok_margin_s": "0.15",  # online policy: a stream's windows are decoded once its buffer is below this
     "detok_pace_floor": "auto",  # online policy: near the limit (streams made below this x real time) act as offline
     "attention": "auto",  # auto | torch | flashinfer
+    "drain_grace_s": "20",  # on SIGTERM, open streams may run this long (keep it below --exit-timeout-secs)
     "max_tokens_limit": "0",  # largest max_tokens a request may ask; 0 = the model's official maximum
     "engine_loader": "voxbackend:load",  # module:function(model_dir, codec_dir=..., **options) -> engine
     "frontend_loader": "voxbackend.triton.loading:default_frontend",  # module:function(model_dir, codec_dir) -> model
@@ -57,7 +58,7 @@ TEXT_STREAM_CONTROLS = (  # Triton's sequence controls, as the inputs text_strea
 
 @dataclass(frozen=True)
 class ServedModel:
-    name: str  # ensemble name = registry kind; engine and preprocess models are named after it
+    name: str  # the front model's name = registry kind; engine and preprocess models are named after it
     description: str
     default_checkpoint: str  # module:function() -> (model_dir, codec_dir), used when checkpoint is empty
     preprocess_instances: int = 2
@@ -135,12 +136,6 @@ def _python_model(name: str, doc: str, inputs, outputs, *, instances: int, decou
     return text + _parameters(params or {})
 
 
-def _step(model: str, inputs: dict[str, str], outputs: dict[str, str]) -> str:
-    maps = [f'      input_map {{ key: "{k}" value: "{v}" }}' for k, v in inputs.items()]
-    maps += [f'      output_map {{ key: "{k}" value: "{v}" }}' for k, v in outputs.items()]
-    return f'    {{\n      model_name: "{model}"\n      model_version: -1\n' + "\n".join(maps) + "\n    }"
-
-
 def render_text_stream(m: ServedModel, params: dict[str, str]) -> str:
     """The sequence-batched engine model: direct strategy, one slot per concurrent utterance (max_batch of them
     per instance, the engine's batch), each piece delivered at once (no queue delay)."""
@@ -153,30 +148,19 @@ def render_text_stream(m: ServedModel, params: dict[str, str]) -> str:
             f"sequence_batching {{\n  max_sequence_idle_microseconds: {TEXT_STREAM_IDLE_US}\n"
             "  direct { max_queue_delay_microseconds: 0 }\n  control_input [\n" + ",\n".join(controls) + "\n  ]\n}\n")
     text += _tensor_block("input", schema.client_inputs(m.input_specs))
-    text += _tensor_block("output", schema.POSTPROCESS_OUTPUTS)
+    text += _tensor_block("output", schema.CLIENT_OUTPUTS)
     text += "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
     return text + _parameters({k: v for k, v in params.items() if k != "frontend_loader"})
 
 
-def render_ensemble(m: ServedModel) -> str:
-    # Decoupled-origin rule: the postprocess reads only engine outputs (AUDIO_FORMAT travels through the engine).
-    names = lambda specs: [s.name for s in specs]  # noqa: E731
-    pre_in = {n: n for n in names(schema.client_inputs(m.input_specs))}
-    pre_out = {n: f"_pre_{n.lower()}" for n in names(schema.preprocess_outputs(m.conditioning))}
-    eng_out = {n: f"_eng_{n.lower()}" for n in names(schema.ENGINE_OUTPUTS)}
-    post_out = {n: n for n in names(schema.POSTPROCESS_OUTPUTS)}
-    steps = ",\n".join([
-        _step(m.preprocess, pre_in, pre_out),
-        _step(m.engine, {k: v for k, v in pre_out.items()}, eng_out),
-        _step(POSTPROCESS, eng_out, post_out),
-    ])
-    return (
-        HEADER + f"# {m.description}: text in, a stream of encoded audio chunks out (decoupled via the engine).\n"
-        f'name: "{m.name}"\nplatform: "ensemble"\nmax_batch_size: 0\n'
-        + _tensor_block("input", schema.client_inputs(m.input_specs))
-        + _tensor_block("output", schema.POSTPROCESS_OUTPUTS)
-        + f"ensemble_scheduling {{\n  step [\n{steps}\n  ]\n}}\n"
-    )
+def render_front(m: ServedModel, params: dict[str, str]) -> str:
+    """The model clients call: a decoupled Python model that runs the preprocess and the engine by BLS
+    (front_model.py says why not an ensemble). One instance: it only relays, one thread per open stream."""
+    return _python_model(
+        m.name, f"{m.description}: text in, a stream of encoded audio chunks out (the preprocess and engine "
+        "run by BLS).", schema.client_inputs(m.input_specs), schema.CLIENT_OUTPUTS, instances=1, decoupled=True,
+        params={"preprocess_model": m.preprocess, "engine_model": m.engine, "model_kind": params["model_kind"],
+                "drain_grace_s": params["drain_grace_s"]})
 
 
 def select(models: list[str] | None = None) -> tuple[ServedModel, ...]:
@@ -203,14 +187,7 @@ def render_all(overrides: dict[str, str] | None = None, models: list[str] | None
         if not model and name in ("checkpoint", "codec") and len(served) > 1:
             raise ValueError(f"{name} is one model's, and {len(served)} models are rendered "
                              f"({', '.join(m.name for m in served)}): say <model>.{name}, or render only that model")
-    configs = {
-        # One instance: the ensemble forwards each step's responses in completion order, so parallel instances
-        # reorder a stream's chunks (seen with 2). One instance keeps them in order; it costs microseconds a chunk.
-        POSTPROCESS: _python_model(
-            POSTPROCESS, "Shared by every model: float audio chunk -> PCM16 or float32 bytes, with metadata. "
-            "One instance keeps each stream's chunks in order.",
-            schema.POSTPROCESS_INPUTS, schema.POSTPROCESS_OUTPUTS, instances=1, decoupled=True),
-    }
+    configs = {}
     for m in served:
         params = m.params(overrides)
         configs[m.preprocess] = _python_model(
@@ -224,7 +201,7 @@ def render_all(overrides: dict[str, str] | None = None, models: list[str] | None
             m.engine, f"{m.description}: the engine, one per instance; streams float audio chunks.",
             schema.engine_inputs(m.input_specs, m.conditioning), schema.ENGINE_OUTPUTS, instances=1, decoupled=True,
             params={k: v for k, v in params.items() if k != "frontend_loader"})
-        configs[m.name] = render_ensemble(m)
+        configs[m.name] = render_front(m, params)
         if m.text_streaming:
             configs[m.text_stream] = render_text_stream(m, params)
     return configs
@@ -235,11 +212,9 @@ VERSION = "1"
 
 
 def render_files(models: list[str] | None = None) -> dict[str, str]:
-    """Each version folder's files (path under the repository -> text): the Python models' three-line
-    1/model.py, and an empty 1/.gitkeep for each ensemble (its version folder holds nothing, and must exist)."""
-    files = {f"{POSTPROCESS}/{VERSION}/model.py": _SHIM.format(
-        doc=f"{POSTPROCESS}: float audio chunk -> PCM16 or float32 bytes (shared by every model).",
-        module="postprocess_model", cls="PostprocessModel")}
+    """Each version folder's files (path under the repository -> text): every Python model's three-line
+    1/model.py."""
+    files = {}
     for m in select(models):
         files[f"{m.preprocess}/{VERSION}/model.py"] = _SHIM.format(
             doc=f"{m.preprocess}: TEXT, {m.name}'s own inputs, sampling fields -> prompt ids, validated sampling.",
@@ -247,7 +222,9 @@ def render_files(models: list[str] | None = None) -> dict[str, str]:
         files[f"{m.engine}/{VERSION}/model.py"] = _SHIM.format(
             doc=f"{m.engine}: one voxbackend engine per instance (settings: config.pbtxt parameters).",
             module="engine_model", cls="EngineModel")
-        files[f"{m.name}/{VERSION}/.gitkeep"] = ""
+        files[f"{m.name}/{VERSION}/model.py"] = _SHIM.format(
+            doc=f"{m.name}: what clients call; runs {m.preprocess} and {m.engine} by BLS.",
+            module="front_model", cls="FrontModel")
         if m.text_streaming:
             files.update(text_stream_files(m))
     return files

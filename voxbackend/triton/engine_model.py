@@ -13,9 +13,10 @@ import uuid
 from voxbackend.errors import EngineDead, EngineOverloaded, InvalidRequest
 from voxbackend.triton import fields
 from voxbackend.triton.cancel_channel import CancelListener
+from voxbackend.triton.drain import DrainWatch
 from voxbackend.models.base import Prompt, as_prompt
-from voxbackend.triton.loading import (conditioning_specs, instance_settings, load_engine, model_parameters,
-                                       request_inputs)
+from voxbackend.triton.loading import (DEFAULT_DRAIN_GRACE_S, conditioning_specs, instance_settings, load_engine,
+                                       model_parameters, request_inputs)
 from voxbackend.triton.metrics import TritonMetrics
 from voxbackend.triton.pb_glue import TritonResponder, input_getter, route_logging, skip_interpreter_teardown
 from voxbackend.triton.schema import DEFAULT_AUDIO_FORMAT
@@ -46,6 +47,8 @@ class EngineModel:
         self.loop.start()
         self.cancels = CancelListener(self.loop.request_cancel, self._server_stopping)
         self.engine.start()
+        grace_s = float(params.get("drain_grace_s") or DEFAULT_DRAIN_GRACE_S)
+        self.drain = DrainWatch(lambda: self.loop.request_drain(grace_s))
         pb_utils.Logger.log_info(
             f"{args['model_name']}: engine up ({self.model.spec.name}, {settings.checkpoint}, "
             f"{settings.engine_options})")
@@ -67,7 +70,7 @@ class EngineModel:
         stream = Stream(request_id, responder, fmt, arrived, self.sample_rate,
                         stream_id=self.cancels.stream_id(request_id))
         self.loop.add(stream)
-        if self.loop.closing:
+        if self.loop.closing or self.loop.draining:
             return  # the server is stopping: the loop ends the stream at once
         try:
             fields.audio_format(get)
@@ -94,6 +97,7 @@ class EngineModel:
         self.engine.shutdown()
 
     def finalize(self) -> None:
+        self.drain.close()
         self.cancels.close()
         self.loop.stop("the model is being unloaded")
         self.engine.shutdown()

@@ -39,13 +39,14 @@ _FORMAT_SPEC = TensorSpec("AUDIO_FORMAT", "STRING", optional=True, doc='"pcm16" 
 _TEXT_SPEC = TensorSpec("TEXT", "STRING", optional=True,
                         doc="UTF-8 text to speak; required (optional here so a missing TEXT gets our clear error)")
 
-# Set by the preprocess, so only streams behind an ensemble get probes (see cancel_channel).
+# Set by the preprocess, so only streams behind the front model get probes (see cancel_channel).
 _PROBE_DOC = ("true: while the stream has nothing to send (e.g. queued), the engine sends a probe response now "
-              "and then; audio_postprocess relays a cancelled ensemble's probe to the engine and drops every probe")
+              "and then, so the front model learns the stream's STREAM_ID (to pass a cancellation on); it drops "
+              "every probe")
 
 
 def client_inputs(model_inputs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
-    """What a client sends to the ensemble (and may send to the engine model directly); `model_inputs` are the
+    """What a client sends to the front model (and may send to the engine model directly); `model_inputs` are the
     served model's own (`SpeechModel.request_inputs`)."""
     return (_TEXT_SPEC, *model_inputs, *_SAMPLING_SPECS, _FORMAT_SPEC)
 
@@ -76,32 +77,31 @@ PREPROCESS_OUTPUTS = (
     TensorSpec("PROMPT_IDS", "INT64", (-1,),
                doc="prompt token ids; multi-column models: rows of token_columns ids, flattened"),
     *(TensorSpec(s.name, s.dtype, doc=s.doc) for s in _SAMPLING_SPECS),
-    TensorSpec("AUDIO_FORMAT", "STRING", doc="passed through the engine to the postprocess"),
+    TensorSpec("AUDIO_FORMAT", "STRING", doc="passed through the engine to the front model, which encodes"),
     TensorSpec("CANCEL_PROBES", "BOOL", doc=_PROBE_DOC),
 )
 
-# Per-chunk metadata, on every response of the engine and the ensemble.
-_CHUNK_META = (
+# Per-chunk metadata, on every response of the engine and the front model.
+CHUNK_META = (
     TensorSpec("SAMPLE_RATE", "INT32", doc="Hz"),
     TensorSpec("CHUNK_INDEX", "INT32", doc="0, 1, ... ; on the final response: number of audio chunks"),
     TensorSpec("FINAL", "BOOL", doc="true on the last response of the stream (its AUDIO is empty)"),
-    TensorSpec("FINISH_REASON", "STRING", doc='"" on chunks; "stop", "length" or "cancelled" on the final one'),
+    TensorSpec("FINISH_REASON", "STRING",
+               doc='"" on chunks; "stop", "length", "cancelled" or "shutdown" on the final one'),
     TensorSpec("SEED_USED", "INT64", doc="the request's sampling seed (its SEED, or the one the server drew): "
-               "sent back as SEED it reproduces the audio (an ensemble cannot have an output named like an input)"),
+               "sent back as SEED it reproduces the audio"),
 )
 
 ENGINE_OUTPUTS = (
     TensorSpec("AUDIO", "FP32", (-1,), doc="float32 mono samples in [-1, 1]"),
-    *_CHUNK_META,
-    TensorSpec("AUDIO_FORMAT", "STRING", doc="the requested encoding, for the postprocess"),
-    TensorSpec("STREAM_ID", "STRING", doc="opaque id of the stream in its engine instance (the postprocess "
-               "uses it to pass an ensemble client's cancellation back)"),
+    *CHUNK_META,
+    TensorSpec("AUDIO_FORMAT", "STRING", doc="the requested encoding, for the front model"),
+    TensorSpec("STREAM_ID", "STRING", doc="opaque id of the stream in its engine instance (the front model "
+               "uses it to pass its client's cancellation on)"),
 )
 
-POSTPROCESS_INPUTS = ENGINE_OUTPUTS
-
-POSTPROCESS_OUTPUTS = (
+CLIENT_OUTPUTS = (
     TensorSpec("AUDIO", "STRING", doc="one element: the chunk's samples as raw little-endian bytes "
                "(int16 for pcm16, float32 for fp32)"),
-    *_CHUNK_META,
+    *CHUNK_META,
 )

@@ -170,7 +170,7 @@ class TritonServer:
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
             "--allow-gpu-metrics=false" if not Path("/dev/nvidia0").exists() else "--allow-gpu-metrics=true",
-            "--exit-timeout-secs=15", f"--log-verbose={self.log_verbose}",
+            "--exit-timeout-secs=30", f"--log-verbose={self.log_verbose}",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}", *self.extra_args,
         ]
 
@@ -233,12 +233,15 @@ class TritonServer:
         except OSError:
             return "(no log)"
 
-    def stop(self, timeout: float = 30.0) -> int | None:
+    def stop(self, timeout: float = 30.0, drain: bool = False) -> int | None:
         """End every stream, SIGINT (models are unloaded, finalize() runs), SIGKILL to the group if it hangs.
+
+        drain: stop as Docker and Kubernetes do, with SIGTERM and no SHUTDOWN: Triton refuses new requests and
+        the engines let their open streams finish within their drain_grace_s (docs/triton.md, "Stopping").
 
         Returns the exit code, or 0 when every stream ended and every model that can unload did, and only
         Triton's own bookkeeping kept the process alive: in 2.51 a request Triton refused (wrong dtype or shape)
-        and the client then cancelled keeps its model (ensemble or not) from unloading, and the process would
+        and the client then cancelled keeps its model from unloading, and the process would
         wait out --exit-timeout-secs and exit 1.
         """
         if self.proc is None:
@@ -248,13 +251,19 @@ class TritonServer:
         stopping = self.proc.poll() is None
         if stopping:
             had_stubs = bool(stub_pids(self.proc.pid))
-            told = send_shutdown(self.proc.pid)  # streams end now: SIGINT would wait for every in-flight request
-            if told:
-                closed = self._wait_streams_closed()
-                self._note(f"SHUTDOWN to {told} engine instance(s): " + (
-                    f"every stream ended after {closed:.1f} s" if closed is not None else "streams still open"))
             since = Path(self.log_file).stat().st_size
-            self.proc.send_signal(signal.SIGINT)
+            if drain:
+                self.proc.send_signal(signal.SIGTERM)
+                closed = self._wait_streams_closed(timeout)
+                self._note("SIGTERM: " + (f"every stream ended after {closed:.1f} s" if closed is not None
+                                          else "streams still open"))
+            else:
+                told = send_shutdown(self.proc.pid)  # streams end now: SIGINT would wait for every one
+                if told:
+                    closed = self._wait_streams_closed()
+                    self._note(f"SHUTDOWN to {told} engine instance(s): " + (
+                        f"every stream ended after {closed:.1f} s" if closed is not None else "streams still open"))
+                self.proc.send_signal(signal.SIGINT)
             code = self._wait_unloaded(timeout, had_stubs, since)
         left = list(stub_pids(self.proc.pid)) if self.proc.poll() is None else []  # killed below
         try:
@@ -284,9 +293,8 @@ class TritonServer:
             self._note(f"removed {len(left)} shared-memory region(s) that killed stubs left in {SHM_DIR}")
 
     def _wait_streams_closed(self, timeout: float = 5.0, settle_s: float = 0.3) -> float | None:
-        """Until the engines report no open stream, then a moment for the final responses to pass the ensemble's
-        postprocess (once SIGINT arrives, Triton refuses new step requests, final ones included). Returns the
-        seconds it took, None if streams were still open at the timeout."""
+        """Until the engines report no open stream, then a moment for the front models to send their final
+        responses. Returns the seconds it took, None if streams were still open at the timeout."""
         t0 = time.monotonic()
         took = None
         while time.monotonic() - t0 < timeout and self.proc.poll() is None:
@@ -344,14 +352,14 @@ class TritonServer:
                 self._note("every stream ended and every model that can unload did; " + (
                     f"{sum(map(len, by_model.values()))} idle stub(s) of {', '.join(kept)}, which Triton 2.51 "
                     "keeps alive for a request it refused and the client cancelled" if kept else
-                    "only stub-less models (ensembles) are left") + "; ending the server")
+                    "only stub-less models are left") + "; ending the server")
                 return 0
             time.sleep(0.25)
         return None  # timed out: killed below, its code reported
 
-    def close(self) -> int | None:
+    def close(self, drain: bool = False) -> int | None:
         """stop() and remove the temporary work folder (log included) if this object made one."""
-        code = self.stop()
+        code = self.stop(drain=drain)
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

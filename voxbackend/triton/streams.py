@@ -2,7 +2,7 @@
 
 The engine thread only puts events into a queue (never blocks on Triton); this thread turns them into
 responses, polls every open stream's is_cancelled() and cancels in the engine, sends probes for streams behind
-an ensemble that have nothing to send (cancel_channel), updates the metrics, and ends every stream with exactly
+the front model that have nothing to send (cancel_channel), updates the metrics, and ends every stream with exactly
 one final response even when the engine dies. One sender thread, not one per
 request: concurrent sends from many threads crashed the Python backend stub.
 """
@@ -18,9 +18,10 @@ from typing import Callable, Protocol
 import numpy as np
 
 from voxbackend.events import Event, EventKind
+from voxbackend.triton.drain import DRAINING, grace_expired
 
 log = logging.getLogger("voxbackend.triton")
-PROBE = "probe"  # FINISH_REASON of a probe response: no audio, dropped by audio_postprocess
+PROBE = "probe"  # FINISH_REASON of a probe response: no audio, dropped by the front model
 SHUTDOWN = "shutdown"  # FINISH_REASON of streams ended because the server is stopping
 
 
@@ -57,7 +58,7 @@ class Stream:
     sample_rate: int
     stream_id: str = ""  # sent with every response (see cancel_channel)
     seed: int = 0  # the request's sampling seed, returned with every response
-    probes: bool = False  # behind an ensemble: probe while there is nothing to send (see cancel_channel)
+    probes: bool = False  # behind the front model: probe while there is nothing to send (see cancel_channel)
     last_sent: float | None = None  # clock time of the last response (None: none yet)
     chunks: int = 0
     first_sent: float | None = None
@@ -86,6 +87,11 @@ class _Shutdown:
 
 
 @dataclass
+class _Drain:
+    grace_s: float
+
+
+@dataclass
 class _Reply:
     responder: Responder
     error: str | None
@@ -99,7 +105,7 @@ class ResponseLoop:
     cancel_check_s: float = 0.1  # is_cancelled() is an IPC round trip per stream: not on every poll
     gauge_s: float = 0.25  # how often engine.stats() is read
     cancel_grace_s: float = 30.0  # a cancelled stream the engine never finishes is closed by us
-    probe_s: float = 0.4  # a probing stream silent this long gets a probe: a dead ensemble client is seen within 1 s
+    probe_s: float = 0.4  # a probing stream silent this long gets a probe: a dead front client is seen within 1 s
     clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
@@ -109,6 +115,9 @@ class ResponseLoop:
         self._last_gauges = 0.0
         self._last_cancel_check = 0.0
         self.closing = False  # set by request_shutdown: every stream, open or new, ends at once
+        self.draining = False  # set by request_drain: new streams are refused, open ones may finish
+        self._drain_deadline: float | None = None
+        self._drain_grace_s = 0.0
 
     # --- called from execute() (Triton's thread) ---
     def add(self, stream: Stream) -> None:
@@ -125,16 +134,21 @@ class ResponseLoop:
         self._queue.put(_Reply(responder, error))
 
     def request_cancel(self, request_id: str) -> None:
-        """Cancel from outside Triton's own signal (the ensemble's postprocess, via cancel_channel)."""
+        """Cancel from outside Triton's own signal (the front model, via cancel_channel)."""
         self._queue.put(_Cancel(request_id))
 
     def request_shutdown(self) -> None:
         """The server is stopping (the launcher, via cancel_channel): end every stream with a final response.
 
-        A normal final response (FINISH_REASON "shutdown"), not an error: Triton 2.51 keeps an ensemble whose
-        decoupled step failed mid-stream counted as in flight, and SIGINT waits for in-flight requests."""
+        A normal final response (FINISH_REASON "shutdown"), not an error: the request was not at fault."""
         self.closing = True
         self._queue.put(_Shutdown())
+
+    def request_drain(self, grace_s: float) -> None:
+        """The server is stopping (drain.DrainWatch): refuse new streams; open ones may run grace_s more
+        seconds, then end with an error and a final flag, so that Triton can unload the model in time."""
+        self.draining = True
+        self._queue.put(_Drain(grace_s))
 
     # --- called from the engine thread: must not block ---
     def on_event(self, event: Event) -> None:
@@ -185,6 +199,12 @@ class ResponseLoop:
             self._streams[item.stream.request_id] = item.stream
             if self.closing:
                 self._end_for_shutdown(item.stream)
+            elif self.draining:
+                self._fail(item.stream, DRAINING)
+            return
+        if isinstance(item, _Drain):
+            self._drain_grace_s = item.grace_s
+            self._drain_deadline = self.clock() + item.grace_s
             return
         if isinstance(item, _Shutdown):
             for s in list(self._streams.values()):
@@ -264,8 +284,12 @@ class ResponseLoop:
         check = now - self._last_cancel_check >= self.cancel_check_s
         if check:
             self._last_cancel_check = now
+        expired = self._drain_deadline is not None and now >= self._drain_deadline
         for s in list(self._streams.values()):
-            if not alive:
+            if expired:
+                self.engine.cancel(s.request_id)
+                self._fail(s, grace_expired(self._drain_grace_s))
+            elif not alive:
                 self._fail(s, "the engine stopped after an internal error; the model must be reloaded")
             elif s.cancel_at is None:
                 if check and self._cancelled(s):

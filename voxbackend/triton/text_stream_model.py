@@ -1,11 +1,11 @@
 """Decoupled, sequence-batched Triton model: one utterance's text in pieces, its audio on one stream.
 
-`<model>_text_stream` hosts its own engine (a sequence-batched model cannot be the normal ensemble's engine
-step: Triton refuses every request without a correlation id there). Triton's sequence batcher (direct strategy,
+`<model>_text_stream` hosts its own engine (a sequence-batched model cannot be the front model's engine: Triton
+refuses every request without a correlation id there). Triton's sequence batcher (direct strategy,
 one slot per concurrent utterance: max_batch_size slots per instance) routes every piece of a sequence to the
 instance that got its START, in order; the controls arrive as the inputs START, END, READY and CORRID. Slots a
 batch does not fill come as null requests (READY 0), which get a bare final flag. Audio is sent encoded
-(PCM16 or float32 bytes) like the ensemble's, since no postprocess step follows. See docs/text_streaming.md.
+(PCM16 or float32 bytes) like the front model's. See docs/text_streaming.md.
 """
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ import json
 import threading
 import time
 
-import numpy as np
-
-from voxbackend.triton.audio_encoding import encode
+from voxbackend.triton.audio_encoding import client_outputs
 from voxbackend.triton.engine_model import EngineModel
 from voxbackend.triton.pb_glue import TritonResponder, input_getter
 from voxbackend.triton.text_commit import check_normalizer
@@ -26,15 +24,12 @@ DEFAULT_IDLE_US = 1_000_000  # Triton's own default when the config gives none
 
 
 class EncodedAudioResponder(TritonResponder):
-    """The engine stream's outputs as the ensemble sends them (encoded AUDIO bytes), with the batch dimension
+    """The engine stream's outputs as the front model sends them (encoded AUDIO bytes), with the batch dimension
     a max_batch_size > 0 model's outputs have."""
 
     def send(self, outputs, error, final):
         if outputs is not None:
-            fmt = outputs["AUDIO_FORMAT"].reshape(-1)[0].decode()
-            kept = {k: v for k, v in outputs.items() if k not in ("AUDIO", "AUDIO_FORMAT", "STREAM_ID")}
-            outputs = {"AUDIO": np.array([[encode(outputs["AUDIO"], fmt)]], dtype=np.object_),
-                       **{k: v.reshape(1, -1) for k, v in kept.items()}}
+            outputs = {k: v.reshape(1, -1) for k, v in client_outputs(outputs).items()}
         super().send(outputs, error, final)
 
 
