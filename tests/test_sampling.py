@@ -125,7 +125,7 @@ def test_penalty_table_holds_what_the_lists_hold(columns, on_prompt):
     import random
     from types import SimpleNamespace
 
-    from voxbackend.engine.model_runner import PenaltyTable
+    from voxbackend.engine.penalties import PenaltyTable
     from voxbackend.request import Request
 
     rng = random.Random(columns)
