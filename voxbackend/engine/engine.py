@@ -23,9 +23,10 @@ from voxbackend.engine.detokenize import Detokenizer
 from voxbackend.engine.kv_pool import KVPool
 from voxbackend.engine.model_runner import ModelRunner
 from voxbackend.engine.scheduler import make_scheduler, preemption_victim
+from voxbackend.engine.validation import RequestValidator
 from voxbackend.errors import EngineDead, EngineOverloaded, InvalidRequest
 from voxbackend.events import Event, EventKind
-from voxbackend.models.base import FEATURE, Prompt, SpeechModel, as_prompt
+from voxbackend.models.base import Prompt, SpeechModel
 from voxbackend.request import Request
 from voxbackend.sampling_params import SamplingParams
 
@@ -42,19 +43,14 @@ class EngineStats:
     preemptions: int  # since the engine started: requests whose KV pages were taken back mid-generation
 
 
-def _feature_mask(prompt: np.ndarray) -> np.ndarray:
-    """Which positions of a prompt (ids [L] or rows [L, columns]) are FEATURE rows."""
-    return (prompt if prompt.ndim == 1 else prompt[:, 0]) == FEATURE
-
-
 class Engine:
     def __init__(self, model: SpeechModel, config: EngineConfig, clock: Callable[[], float] = time.monotonic):
         self.model = model
         self.config = config
         self.clock = clock
-        self.device = config.device
         self.pool = KVPool(model.spec.geometry, config.kv_pages, config.page_size, config.device, config.torch_dtype)
         self.runner = ModelRunner(model, config, self.pool)
+        self.validator = RequestValidator(model, config, self.pool)
         self.scheduler = make_scheduler(config)
         self.detokenizer = Detokenizer(model) if model.spec.window else None
         self.waiting: deque[Request] = deque()
@@ -70,10 +66,13 @@ class Engine:
         self._ids = itertools.count()
         self._failures = 0
         self.preemptions = 0
-        spec = model.spec
-        self.max_tokens_limit = config.max_tokens_limit or spec.max_tokens or spec.geometry.max_context
         self.alive = True
         self.dead_reason: str | None = None
+
+    @property
+    def max_tokens_limit(self) -> int:
+        """The largest max_tokens a request may ask (EngineConfig.max_tokens_limit, or the model's maximum)."""
+        return self.validator.max_tokens_limit
 
     @property
     def attention(self):
@@ -95,31 +94,12 @@ class Engine:
         with text_streaming): the prompt holds the first piece of the text; more comes through append_text."""
         if not self.alive:
             raise EngineDead(f"engine stopped after a failure: {self.dead_reason}")
-        if text_open and not self.model.text_streaming:
-            raise InvalidRequest(f"{self.model.spec.name} does not take text in pieces (text_open)", field="text")
-        prepared = as_prompt(prompt)
-        params = prepared.limit((sampling or self.model.default_sampling()).validated())
-        conditioning = self.model.check_conditioning(prepared.conditioning)
-        prompt, track = self._check_prompt(prepared.ids, text_open)
-        feature_positions, features = self._check_features(prompt, conditioning)
-        if params.max_tokens > self.max_tokens_limit:  # refused, not clamped: the client asked for more
-            raise InvalidRequest(
-                f"max_tokens is {params.max_tokens}; this server allows at most {self.max_tokens_limit} for "
-                f"{self.model.spec.name}", field="max_tokens"
-            )
-        max_context = self.model.spec.geometry.max_context
-        if len(prompt) + params.max_tokens > max_context:
-            params.max_tokens = max_context - len(prompt)  # generation ends at the context ("length")
-        needed = self.pool.pages_for(len(prompt) + params.max_tokens)
-        if needed > self.pool.num_pages:  # it could never run, even alone in the pool
-            raise InvalidRequest(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {needed} KV pages; "
-                f"the pool has {self.pool.num_pages}", field="max_tokens"
-            )
+        checked = self.validator.check(prompt, sampling, text_open)
         rid = request_id or f"req-{next(self._ids)}"
-        req = Request(rid, prompt, params, on_event or (lambda e: None), self.clock(), streaming=streaming,
-                      track=track, conditioning=conditioning, awaiting_input=self.model.waits_for_input(track),
-                      feature_positions=feature_positions, features=features)
+        req = Request(rid, checked.prompt_ids, checked.sampling, on_event or (lambda e: None), self.clock(),
+                      streaming=streaming, track=checked.track, conditioning=checked.conditioning,
+                      awaiting_input=self.model.waits_for_input(checked.track),
+                      feature_positions=checked.feature_positions, features=checked.features)
         with self._lock:
             if len(self.waiting) + len(self._inbox) >= self.config.max_queue:
                 raise EngineOverloaded(f"overloaded: {self.config.max_queue} requests already queued; retry later")
@@ -260,54 +240,6 @@ class Engine:
                 self._die(f"{MAX_CONSECUTIVE_FAILURES} engine steps failed in a row; last: {exc}")
             return True
         return bool(lm or detok or self.waiting or any(r.preempted for r in self.running))
-
-    def _check_prompt(self, prompt_ids, text_open: bool = False) -> tuple[list[int] | list[list[int]], object]:
-        """Ids [L] for one-column models, rows [L, token_columns] (-1 = no entry) for multi-column ones; the
-        model splits off its input track (split_prompt) before the positions are checked."""
-        spec = self.model.spec
-        columns = spec.token_columns
-        try:
-            prompt = np.asarray(prompt_ids, dtype=np.int64)
-        except (TypeError, ValueError, OverflowError):
-            prompt = None
-        want = "a list of integers" if columns == 1 else f"rows of {columns} integers"
-        if prompt is None or prompt.ndim != (1 if columns == 1 else 2) or columns > 1 and prompt.shape[1] != columns:
-            raise InvalidRequest(f"prompt_ids must be {want}")
-        rows, track = self.model.split_prompt(prompt.tolist(), text_open)
-        prompt = np.asarray(rows, dtype=np.int64).reshape((-1,) if columns == 1 else (-1, columns))
-        if not len(prompt):
-            raise InvalidRequest("prompt is empty")
-        ids = prompt.copy()  # the ids to range-check: FEATURE rows have none in column 0
-        if columns == 1:
-            ids[_feature_mask(prompt)] = 0
-        else:
-            ids[_feature_mask(prompt), 0] = -1
-        if columns == 1:
-            vocab = spec.geometry.vocab_size
-            if ids.min() < 0 or ids.max() >= vocab:
-                raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
-        else:
-            vocab = np.asarray(spec.column_vocab or [spec.geometry.vocab_size] * columns)
-            if (ids < -1).any() or (ids >= vocab[None, :]).any():
-                raise InvalidRequest(f"prompt ids of column j must be -1 (absent) or in [0, {list(vocab)}[j])")
-        if len(prompt) >= spec.geometry.max_context:
-            raise InvalidRequest(
-                f"prompt is {len(prompt)} positions; the model's context is {spec.geometry.max_context}"
-            )
-        return prompt.tolist(), track
-
-    def _check_features(self, prompt: list, conditioning: dict) -> tuple[list[int], torch.Tensor | None]:
-        """The FEATURE rows of a checked prompt and their vectors from the model, one per row, on the device."""
-        positions = np.flatnonzero(_feature_mask(np.asarray(prompt))).tolist()
-        features = self.model.prompt_features(conditioning)
-        count = 0 if features is None else len(features)
-        if count != len(positions):
-            raise InvalidRequest(f"the prompt has {len(positions)} feature rows; the request's conditioning gives "
-                                 f"{count} feature vectors", field="prompt_ids")
-        if features is None:
-            return [], None
-        vectors = torch.as_tensor(np.asarray(features, dtype=np.float32), device=self.device)
-        return positions, vectors.to(self.config.torch_dtype)
 
     def _drain_inbox(self) -> None:
         with self._lock:
