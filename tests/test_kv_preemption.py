@@ -11,7 +11,8 @@ import pytest
 import voxbackend
 from voxbackend.config import EngineConfig
 from voxbackend.engine.engine import Engine
-from voxbackend.engine.scheduler import Scheduler, preemption_victim
+from voxbackend.engine.admission import preemption_victim
+from voxbackend.engine.policies import make_policy
 from voxbackend.errors import InvalidRequest
 from voxbackend.events import EventKind
 from voxbackend.request import Request
@@ -114,9 +115,9 @@ def test_admission_order_puts_waiting_listeners_first_under_online_only():
     paused_dry = _req("paused_dry", 2, playing_since=90.0, audio_s=10.1)  # preempted, about to run dry
     new = _req("new", 3)
     waiting = [new, paused_rich, batch, paused_dry]
-    online = Scheduler(EngineConfig(policy="online"))
+    online = make_policy(EngineConfig(policy="online"))
     assert [r.id for r in online.admission_order(waiting, now)] == ["paused_dry", "new", "batch", "paused_rich"]
-    fcfs = Scheduler(EngineConfig(policy="fcfs"))
+    fcfs = make_policy(EngineConfig(policy="fcfs"))
     assert [r.id for r in fcfs.admission_order(waiting, now)] == ["batch", "paused_rich", "paused_dry", "new"]
 
 

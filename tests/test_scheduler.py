@@ -3,7 +3,9 @@ import pytest
 
 from voxbackend.config import EngineConfig
 from voxbackend.engine.detokenize import window_bounds, window_count
-from voxbackend.engine.scheduler import MAX_SKIPPED_STEPS, Scheduler, WindowRate
+from voxbackend.engine.policies import make_policy
+from voxbackend.engine.policies.base import MAX_SKIPPED_STEPS
+from voxbackend.engine.policies.online import OnlinePolicy, WindowRate
 from voxbackend.models.base import WindowSpec
 from voxbackend.request import Request
 from voxbackend.sampling_params import SamplingParams
@@ -28,10 +30,10 @@ def test_online_gives_lm_slots_to_streams_about_to_stall():
     comfy = [_req(f"c{i}", arrival=i, playing_since=90.0, audio_s=30.0) for i in range(3)]  # 20 s buffered
     low = _req("low", arrival=10, playing_since=90.0, audio_s=10.5)  # 0.5 s left: pressing
     new = _req("new", arrival=11)  # nothing played yet: pressing
-    sched = Scheduler(EngineConfig(policy="online", max_batch=2))
+    sched = make_policy(EngineConfig(policy="online", max_batch=2))
     chosen = [r.id for r, _ in sched.schedule_lm(comfy + [low, new], now)]
     assert chosen == ["low", "new"]
-    fcfs = Scheduler(EngineConfig(policy="fcfs", max_batch=2))
+    fcfs = make_policy(EngineConfig(policy="fcfs", max_batch=2))
     assert [r.id for r, _ in fcfs.schedule_lm(comfy + [low, new], now)] == ["c0", "c1"]
 
 
@@ -39,14 +41,14 @@ def test_passed_over_requests_age_into_slots():
     now = 100.0
     comfy = _req("comfy", arrival=0, playing_since=90.0, audio_s=60.0)
     busy = [_req(f"n{i}", arrival=1 + i) for i in range(2)]
-    sched = Scheduler(EngineConfig(policy="online", max_batch=2))
+    sched = make_policy(EngineConfig(policy="online", max_batch=2))
     for _ in range(MAX_SKIPPED_STEPS):
         assert "comfy" not in [r.id for r, _ in sched.schedule_lm([comfy, *busy], now)]
     assert "comfy" in [r.id for r, _ in sched.schedule_lm([comfy, *busy], now)]
 
 
 def test_chunked_prefill_under_token_budget_with_several_prefills():
-    sched = Scheduler(EngineConfig(policy="fcfs", max_batch=8, prefill_budget=10))
+    sched = make_policy(EngineConfig(policy="fcfs", max_batch=8, prefill_budget=10))
     a = _req("a", 0, prompt=6, cached=0)
     b = _req("b", 1, prompt=9, cached=0)
     c = _req("c", 2)  # decoding
@@ -54,10 +56,10 @@ def test_chunked_prefill_under_token_budget_with_several_prefills():
     assert plan == [("a", 6), ("b", 4)]  # two prefills share the step; b continues next step
 
 
-def _online(now: float = 100.0, windows_per_s: float = 1000.0, **config) -> Scheduler:
+def _online(now: float = 100.0, windows_per_s: float = 1000.0, **config) -> OnlinePolicy:
     """The online scheduler with windows coming at `windows_per_s` (a full batch forms within milliseconds by
     default) and, unless given, no pace floor (the rules with headroom; on a CPU device "auto" is 1.6)."""
-    sched = Scheduler(EngineConfig(policy="online", **{"detok_pace_floor": 0.0, **config}))
+    sched = make_policy(EngineConfig(policy="online", **{"detok_pace_floor": 0.0, **config}))
     sched.window_rate = WindowRate(per_s=windows_per_s, at=now)
     return sched
 
@@ -134,13 +136,13 @@ def test_pressing_requests_over_budget_share_it():
 
 
 def test_stateful_codec_gets_one_window_per_request_per_call():
-    sched = Scheduler(EngineConfig(policy="fcfs", detok_batch=8))
+    sched = make_policy(EngineConfig(policy="fcfs", detok_batch=8))
     plan = sched.schedule_detok([(_req("a", 0), 3), (_req("b", 1), 2)], BUSY, 0.0, stateful=True)
     assert [(r.id, n) for r, n in plan] == [("a", 1), ("b", 1)]
 
 
 def test_offline_detokenizes_in_bulk():
-    sched = Scheduler(EngineConfig(policy="offline", detok_batch=4))
+    sched = make_policy(EngineConfig(policy="offline", detok_batch=4))
     a = _req("a", 0)
     assert sched.schedule_detok([(a, 3)], lm_requests=BUSY, now=0.0, stateful=False) == []
     assert [(r.id, n) for r, n in sched.schedule_detok([(a, 4)], BUSY, 0.0, False)] == [("a", 4)]

@@ -1,7 +1,8 @@
 """VoxServe's own online policy (the ablation baseline) on a fake clock: its rules, and its faults."""
 from voxbackend.config import EngineConfig
-from voxbackend.engine.scheduler import Scheduler, make_scheduler
-from voxbackend.engine.voxserve_policy import PREFILL_BATCH, VoxServeScheduler, _proportional
+from voxbackend.engine.policies import make_policy
+from voxbackend.engine.policies.online import OnlinePolicy
+from voxbackend.engine.policies.voxserve import PREFILL_BATCH, VoxServePolicy, _proportional
 from voxbackend.request import Request
 from voxbackend.sampling_params import SamplingParams
 
@@ -17,14 +18,14 @@ def _req(rid: str, arrival: float, *, playing_since=None, audio_s=0.0, prompt=4,
     return r
 
 
-def _sched(**kw) -> VoxServeScheduler:
-    s = make_scheduler(EngineConfig(policy="voxserve", **kw))
-    assert isinstance(s, VoxServeScheduler)
+def _sched(**kw) -> VoxServePolicy:
+    s = make_policy(EngineConfig(policy="voxserve", **kw))
+    assert isinstance(s, VoxServePolicy)
     return s
 
 
-def test_other_policies_get_the_plain_scheduler():
-    assert type(make_scheduler(EngineConfig(policy="online"))) is Scheduler
+def test_other_policies_get_their_own_class():
+    assert type(make_policy(EngineConfig(policy="online"))) is OnlinePolicy
 
 
 def test_one_whole_prefill_per_step_and_the_batch_capped_while_it_runs():
@@ -52,7 +53,7 @@ def test_detokenizer_waits_for_a_pressing_window_so_a_lone_batch_job_never_decod
     job = _req("job", 0, streaming=False)
     sched = _sched(max_batch=4)
     assert sched.schedule_detok([(job, 3)], lm_requests=False, now=now, stateful=False) == []  # ours decodes it
-    online = Scheduler(EngineConfig(policy="online", detok_batch=4))
+    online = make_policy(EngineConfig(policy="online", detok_batch=4))
     assert [(r.id, n) for r, n in online.schedule_detok([(job, 3)], False, now, False)] == [("job", 3)]
     # a pressing stream lets the batch job piggyback on the leftover budget
     new = _req("new", 1)

@@ -21,8 +21,9 @@ import torch
 from voxbackend.config import EngineConfig
 from voxbackend.engine.detokenize import Detokenizer
 from voxbackend.engine.kv_pool import KVPool
+from voxbackend.engine.admission import preemption_victim
 from voxbackend.engine.model_runner import ModelRunner
-from voxbackend.engine.scheduler import make_scheduler, preemption_victim
+from voxbackend.engine.policies import make_policy
 from voxbackend.engine.validation import RequestValidator
 from voxbackend.errors import EngineDead, EngineOverloaded, InvalidRequest
 from voxbackend.events import Event, EventKind
@@ -51,7 +52,7 @@ class Engine:
         self.pool = KVPool(model.spec.geometry, config.kv_pages, config.page_size, config.device, config.torch_dtype)
         self.runner = ModelRunner(model, config, self.pool)
         self.validator = RequestValidator(model, config, self.pool)
-        self.scheduler = make_scheduler(config)
+        self.scheduler = make_policy(config)
         self.detokenizer = Detokenizer(model) if model.spec.window else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # holds pages (LM), preempted, or LM finished and still detokenizing
@@ -303,7 +304,7 @@ class Engine:
         """A stream whose listener waits (a new one, or a preempted one that ran dry) may take the pages of
         requests that can afford a pause: batch jobs and streams with more buffered audio than the pressing
         threshold. All or nothing: nobody is preempted if that would still not make room."""
-        if self.config.policy != "online" or not r.streaming or not self.scheduler.pressing(r, now):
+        if not self.scheduler.may_preempt_for(r, now):
             return False
         victims = [v for v in self.running if v.on_lm and not self.scheduler.pressing(v, now)]
         # each victim frees its pages and lowers the headroom by one
