@@ -154,7 +154,7 @@ def test_batched_references_staggered_chunked_and_preempted(ref, model):
         engine.step()
         # at 2 frames (neither may be EOS: min_new_tokens) every request is still on the LM
         for r in [r for r in engine.running if r.on_lm and len(r.output_ids) == 2 and not r.preemptions]:
-            engine._preempt(r)
+            engine.admission.preempt(r)
 
     ids = []
     for case in CASES:

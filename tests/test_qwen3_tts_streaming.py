@@ -202,7 +202,7 @@ def test_preempted_requests_recompute_the_rows_they_were_fed(model):
         engine.step()
     r = engine.running[0]
     assert r.awaiting_input
-    engine._preempt(r)
+    engine.admission.preempt(r)
     engine.step()  # re-admitted and recomputed; it samples nothing new while it waits
     assert not r.preempted and r.awaiting_input and r.uncached == 0
     engine.append_text(rid, [i for p in PIECES[1:] for i in model.text_piece_ids(p)], final=True)

@@ -21,7 +21,7 @@ import torch
 from voxbackend.config import EngineConfig
 from voxbackend.engine.detokenize import Detokenizer
 from voxbackend.engine.kv_pool import KVPool
-from voxbackend.engine.admission import preemption_victim
+from voxbackend.engine.admission import Admission
 from voxbackend.engine.model_runner import ModelRunner
 from voxbackend.engine.policies import make_policy
 from voxbackend.engine.validation import RequestValidator
@@ -56,6 +56,7 @@ class Engine:
         self.detokenizer = Detokenizer(model) if model.spec.window else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # holds pages (LM), preempted, or LM finished and still detokenizing
+        self.admission = Admission(self.pool, self.scheduler, model, config, self.waiting, self.running)
         self._inbox: list[Request] = []
         self._cancels: set[str] = set()
         self._appends: list[tuple[str, list[int], bool]] = []
@@ -66,7 +67,6 @@ class Engine:
         self._stop = False
         self._ids = itertools.count()
         self._failures = 0
-        self.preemptions = 0
         self.alive = True
         self.dead_reason: str | None = None
 
@@ -74,6 +74,10 @@ class Engine:
     def max_tokens_limit(self) -> int:
         """The largest max_tokens a request may ask (EngineConfig.max_tokens_limit, or the model's maximum)."""
         return self.validator.max_tokens_limit
+
+    @property
+    def preemptions(self) -> int:
+        return self.admission.preemptions
 
     @property
     def attention(self):
@@ -221,10 +225,10 @@ class Engine:
         if self.detokenizer is not None:
             for r in self.running:
                 r.ready_windows = self.detokenizer.ready(r)
-        self._admit(now)
+        self.admission.admit(now)
         lm = self.scheduler.schedule_lm(self.running, now)
         try:
-            lm = self._grow_pages(lm, now)
+            lm = self.admission.grow(lm, now)
             if lm:
                 self._run_lm(lm)
             detok = self._schedule_detok(now, lm_requests=sum(1 for r in self.running if r.on_lm))
@@ -273,74 +277,6 @@ class Engine:
         for r in [r for r in self.running if r.id in cancels]:
             self._finish(r, reason="cancelled")
 
-    # ---------------------------------------------------------------- KV pages: admission, growth, preemption
-    def _admit(self, now: float) -> None:
-        """Give KV pages to waiting and preempted requests in the scheduler's order, until one does not fit (it
-        and those behind it wait: a large request is not overtaken forever by small ones).
-
-        A new request needs the pages of its first prefill chunk; a preempted one the pages of its whole
-        sequence, since it must recompute all of it before it can sample again (a half-recomputed prefix taken
-        back would be wasted work). On top, one free page per request already on the LM: each grows by about a
-        page per page_size steps, so a newcomer is not let into a pool that must preempt at the very next step.
-        """
-        queued = [r for r in self.running if r.preempted] + list(self.waiting)
-        for r in self.scheduler.admission_order(queued, now):
-            first = r.num_positions if r.preempted else min(len(r.prompt_ids), self.config.prefill_budget)
-            need = self.pool.pages_for(first)
-            if need + self._headroom() > self.pool.free_pages and not self._make_room(r, need, now):
-                return
-            r.pages = self.pool.allocate(r.id, first)
-            if r.preempted:
-                r.preempted = False
-            else:
-                self.waiting.remove(r)
-                r.codec_state = self.model.new_codec_state(r.conditioning)
-                self.running.append(r)
-
-    def _headroom(self) -> int:
-        return sum(1 for r in self.running if r.on_lm)
-
-    def _make_room(self, r: Request, need: int, now: float) -> bool:
-        """A stream whose listener waits (a new one, or a preempted one that ran dry) may take the pages of
-        requests that can afford a pause: batch jobs and streams with more buffered audio than the pressing
-        threshold. All or nothing: nobody is preempted if that would still not make room."""
-        if not self.scheduler.may_preempt_for(r, now):
-            return False
-        victims = [v for v in self.running if v.on_lm and not self.scheduler.pressing(v, now)]
-        # each victim frees its pages and lowers the headroom by one
-        if self.pool.free_pages + sum(len(v.pages) + 1 for v in victims) < need + self._headroom():
-            return False
-        while need + self._headroom() > self.pool.free_pages:
-            victim = preemption_victim(victims, now)
-            victims.remove(victim)
-            self._preempt(victim)
-        return True
-
-    def _grow_pages(self, plan: list[tuple[Request, int]], now: float) -> list[tuple[Request, int]]:
-        """Before the LM step, each planned request gets the pages for the positions it writes, in plan order
-        (the most pressing first). When the pool is dry, the request that can best afford a pause among all on
-        the LM (possibly the one asking) is preempted. Returns the plan without the preempted."""
-        for r, n in plan:
-            need = self.pool.missing(r.id, r.num_cached + n)  # most steps need none
-            while not r.preempted and need > self.pool.free_pages:
-                self._preempt(preemption_victim([x for x in self.running if x.on_lm], now))
-            if need and not r.preempted:
-                r.pages = self.pool.allocate(r.id, r.num_cached + n)
-        return [(r, n) for r, n in plan if not r.preempted]
-
-    def _preempt(self, r: Request) -> None:
-        """Take a request's pages back. It keeps its tokens, codes and codec state (ready windows still decode);
-        on resume it recomputes prompt + generated steps, so its output is the same (sampling counters follow
-        len(output_ids), not time)."""
-        self.pool.release(r.id)
-        r.pages = []
-        r.num_cached = 0
-        r.preempted = True
-        r.preemptions += 1
-        r.skipped_steps = 0
-        self.preemptions += 1
-        log.info("preempted %s at %d positions (KV pool full)", r.id, r.num_positions)
-
     def _run_lm(self, plan: list[tuple[Request, int]]) -> None:
         for r, step in self.runner.run(plan):  # the step's one host transfer is behind us
             r.output_ids.append(step)
@@ -365,8 +301,7 @@ class Engine:
         r.finish_reason = reason
         with self._lock:  # text appended from now on is refused: the utterance has ended
             self._open_text.discard(r.id)
-        self.pool.release(r.id)  # pages go back now, not after detokenization
-        r.pages = []
+        self.admission.release(r)  # pages go back now, not after detokenization
         self.runner.release(r)
         if self.detokenizer is None or self.detokenizer.finished(r):
             self._finish(r, reason=reason)
@@ -401,8 +336,7 @@ class Engine:
     def _finish(self, r: Request, reason: str | None = None, error: str | None = None) -> None:
         with self._lock:
             self._open_text.discard(r.id)
-        self.pool.release(r.id)
-        r.pages = []
+        self.admission.release(r)
         self.runner.release(r)
         if r in self.running:
             self.running.remove(r)
