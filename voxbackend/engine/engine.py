@@ -1,8 +1,6 @@
-"""The engine loop: admit, schedule, LM step, sample, detokenize, emit. One thread per engine.
-
-Callers on other threads only touch the inbox (submissions, cancellations and appended text) under a lock;
-everything else is owned by the engine thread. Events go out through each request's `on_event` callback, which
-must not block.
+"""The engine: its lifecycle, its loop (drain the inbox, admit, schedule, LM step, detokenize, emit) and the public
+API. One thread per engine; callers on other threads only touch the inbox (engine/inbox.py). Events go out
+through each request's `on_event` callback (engine/output.py), which must not block.
 """
 from __future__ import annotations
 
@@ -19,13 +17,15 @@ import numpy as np
 import torch
 
 from voxbackend.config import EngineConfig
-from voxbackend.engine.detokenize import Detokenizer
-from voxbackend.engine.kv_pool import KVPool
 from voxbackend.engine.admission import Admission
+from voxbackend.engine.detokenize import Detokenizer
+from voxbackend.engine.inbox import Inbox
+from voxbackend.engine.kv_pool import KVPool
 from voxbackend.engine.model_runner import ModelRunner
+from voxbackend.engine.output import Output
 from voxbackend.engine.policies import make_policy
 from voxbackend.engine.validation import RequestValidator
-from voxbackend.errors import EngineDead, EngineOverloaded, InvalidRequest
+from voxbackend.errors import EngineDead, InvalidRequest
 from voxbackend.events import Event, EventKind
 from voxbackend.models.base import Prompt, SpeechModel
 from voxbackend.request import Request
@@ -57,12 +57,9 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # holds pages (LM), preempted, or LM finished and still detokenizing
         self.admission = Admission(self.pool, self.scheduler, model, config, self.waiting, self.running)
-        self._inbox: list[Request] = []
-        self._cancels: set[str] = set()
-        self._appends: list[tuple[str, list[int], bool]] = []
-        self._open_text: set[str] = set()  # requests whose text is still open (append_text takes more)
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self.inbox = Inbox(self.waiting, config.max_queue)
+        self.output = Output(model, config, clock, self.runner, self.admission, self.detokenizer, self.inbox,
+                             self.running)
         self._thread: threading.Thread | None = None
         self._stop = False
         self._ids = itertools.count()
@@ -105,19 +102,11 @@ class Engine:
                       streaming=streaming, track=checked.track, conditioning=checked.conditioning,
                       awaiting_input=self.model.waits_for_input(checked.track),
                       feature_positions=checked.feature_positions, features=checked.features)
-        with self._lock:
-            if len(self.waiting) + len(self._inbox) >= self.config.max_queue:
-                raise EngineOverloaded(f"overloaded: {self.config.max_queue} requests already queued; retry later")
-            self._inbox.append(req)
-            if text_open:
-                self._open_text.add(rid)
-        self._wake.set()
+        self.inbox.submit(req, text_open)
         return rid
 
     def cancel(self, request_id: str) -> None:
-        with self._lock:
-            self._cancels.add(request_id)
-        self._wake.set()
+        self.inbox.cancel(request_id)
 
     def append_text(self, request_id: str, ids: list[int], final: bool) -> None:
         """More dual-track text ids (SpeechModel.text_piece_ids) for a request submitted with text_open;
@@ -127,18 +116,10 @@ class Engine:
         ignores it: its final event is already out. Ids its model refuses on the engine thread end the request
         with an ERROR event."""
         ids = self.model.check_track_ids(ids)  # refused here for a model without text streaming
-        with self._lock:
-            if request_id not in self._open_text:
-                raise InvalidRequest(f"request {request_id!r} is unknown, finished or its text is already closed",
-                                     field="text")
-            if final:
-                self._open_text.discard(request_id)
-            self._appends.append((request_id, list(ids), final))
-        self._wake.set()
+        self.inbox.append_text(request_id, ids, final)
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            queued = len(self.waiting) + len(self._inbox)
+        queued = self.inbox.queued()
         return EngineStats(len(self.running), queued, self.pool.used_pages, self.pool.num_pages, self.preemptions)
 
     def start(self) -> "Engine":
@@ -149,7 +130,7 @@ class Engine:
 
     def shutdown(self) -> None:
         self._stop = True
-        self._wake.set()
+        self.inbox.wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
@@ -213,8 +194,8 @@ class Engine:
         while not self._stop:
             worked = self.step()
             if not worked:
-                self._wake.wait(timeout=0.05)
-                self._wake.clear()
+                self.inbox.wake.wait(timeout=0.05)
+                self.inbox.wake.clear()
 
     def step(self) -> bool:
         """One iteration; returns whether there was work. Never raises: failures become error events."""
@@ -240,18 +221,14 @@ class Engine:
             self._failures += 1
             involved = {r.id for r, _ in lm} | {r.id for r in self.running if r.lm_done}
             for r in [r for r in self.running if r.id in involved]:
-                self._finish(r, error=f"engine step failed: {exc}")
+                self.output.finish(r, error=f"engine step failed: {exc}")
             if self._failures >= MAX_CONSECUTIVE_FAILURES:
                 self._die(f"{MAX_CONSECUTIVE_FAILURES} engine steps failed in a row; last: {exc}")
             return True
         return bool(lm or detok or self.waiting or any(r.preempted for r in self.running))
 
     def _drain_inbox(self) -> None:
-        with self._lock:
-            self.waiting.extend(self._inbox)
-            self._inbox.clear()
-            cancels, self._cancels = self._cancels, set()
-            appends, self._appends = self._appends, []
+        cancels, appends = self.inbox.drain()
         if appends:
             live = {r.id: r for r in itertools.chain(self.waiting, self.running)}
             for rid, ids, final in appends:
@@ -263,48 +240,21 @@ class Engine:
                 except InvalidRequest as exc:  # what append_text could not tell synchronously: this request ends
                     if r in self.waiting:
                         self.waiting.remove(r)
-                    self._finish(r, error=str(exc))
+                    self.output.finish(r, error=str(exc))
                     continue
                 if r.awaiting_input:
-                    self._feed(r)
+                    self.output.feed(r)
         if not cancels:
             return
         for r in [r for r in self.waiting if r.id in cancels]:
             self.waiting.remove(r)
-            with self._lock:
-                self._open_text.discard(r.id)
-            self._emit_final(r, "cancelled")
+            self.inbox.close_text(r.id)
+            self.output.emit_final(r, "cancelled")
         for r in [r for r in self.running if r.id in cancels]:
-            self._finish(r, reason="cancelled")
+            self.output.finish(r, reason="cancelled")
 
     def _run_lm(self, plan: list[tuple[Request, int]]) -> None:
-        for r, step in self.runner.run(plan):  # the step's one host transfer is behind us
-            r.output_ids.append(step)
-            r.codes.extend(self.model.codes_from_step(step, len(r.codes)))
-            if self.model.ends(step, r.track):
-                self._lm_finished(r, "stop")
-            elif len(r.output_ids) >= r.sampling.max_tokens:
-                self._lm_finished(r, "length")
-            else:
-                r.awaiting_input = True
-                self._feed(r)
-
-    def _feed(self, r: Request) -> None:
-        """The positions after the last sampled step, from the model (the step itself, the step plus the next text
-        id, or several); a track still waiting for text leaves the request off the LM until append_text."""
-        rows = self.model.next_inputs(r.output_ids[-1] if r.output_ids else None, r.track)
-        if rows is not None:
-            r.input_rows.extend(rows)
-            r.awaiting_input = False
-
-    def _lm_finished(self, r: Request, reason: str) -> None:
-        r.finish_reason = reason
-        with self._lock:  # text appended from now on is refused: the utterance has ended
-            self._open_text.discard(r.id)
-        self.admission.release(r)  # pages go back now, not after detokenization
-        self.runner.release(r)
-        if self.detokenizer is None or self.detokenizer.finished(r):
-            self._finish(r, reason=reason)
+        self.output.lm_steps(self.runner.run(plan))  # run() ends with the step's one host transfer
 
     def _schedule_detok(self, now: float, lm_requests: int) -> list[tuple[Request, int]]:
         if self.detokenizer is None:
@@ -314,54 +264,12 @@ class Engine:
 
     @torch.inference_mode()
     def _run_detok(self, plan: list[tuple[Request, int]]) -> None:
-        hold = self.config.first_chunk_s * self.model.spec.sample_rate
-        for r, audio in self.detokenizer.run(plan):
-            done = self.detokenizer.finished(r)
-            if r.first_chunk_at is None:
-                # The first chunk waits until it covers first_chunk_s (or the stream ends): a listener that
-                # starts on a thin buffer stalls at the next scheduling hiccup.
-                r.held_audio.append(audio)
-                if sum(len(a) for a in r.held_audio) < hold and not done:
-                    continue
-                audio, r.held_audio = np.concatenate(r.held_audio), []
-            self._send_audio(r, audio)
-            if done:
-                self._finish(r, reason=r.finish_reason)
-
-    def _send_audio(self, r: Request, audio: np.ndarray) -> None:
-        r.record_chunk(self.clock(), len(audio) / self.model.spec.sample_rate)
-        self._deliver(r, Event(r.id, EventKind.AUDIO, index=r.chunks_sent, audio=audio))
-        r.chunks_sent += 1
-
-    def _finish(self, r: Request, reason: str | None = None, error: str | None = None) -> None:
-        with self._lock:
-            self._open_text.discard(r.id)
-        self.admission.release(r)
-        self.runner.release(r)
-        if r in self.running:
-            self.running.remove(r)
-        if error is not None:
-            self._deliver(r, Event(r.id, EventKind.ERROR, index=r.chunks_sent, error=error))
-        else:
-            self._emit_final(r, reason or "stop")
-
-    def _emit_final(self, r: Request, reason: str) -> None:
-        self._deliver(
-            r, Event(r.id, EventKind.FINISHED, index=r.chunks_sent, finish_reason=reason, token_ids=list(r.output_ids))
-        )
-
-    def _deliver(self, r: Request, event: Event) -> None:
-        try:
-            r.on_event(event)
-        except Exception:  # noqa: BLE001 - a broken consumer must not stop the engine
-            log.exception("on_event callback failed for %s", r.id)
+        self.output.audio(self.detokenizer.run(plan))
 
     def _die(self, reason: str) -> None:
         self.alive = False
         self.dead_reason = reason
-        with self._lock:
-            self.waiting.extend(self._inbox)
-            self._inbox.clear()
+        self.inbox.flush()
         for r in list(self.running) + list(self.waiting):
-            self._finish(r, error=f"engine stopped: {reason}")
+            self.output.finish(r, error=f"engine stopped: {reason}")
         self.waiting.clear()
