@@ -16,12 +16,12 @@ BUSY = EngineConfig().max_batch  # requests on the LM: a full batch, where the o
 
 def _req(rid: str, arrival: float, *, playing_since=None, audio_s=0.0, prompt=4, cached=4, streaming=True):
     r = Request(rid, list(range(prompt)), SamplingParams(seed=1), lambda e: None, arrival, streaming=streaming)
-    r.num_cached = cached
-    r.output_ids = [1] if cached >= prompt else []  # decoding: one step sampled, its input not cached yet
-    r.input_rows = list(r.output_ids)  # the positions after the prompt: that step's input
+    r.lm.num_cached = cached
+    r.lm.output_ids = [1] if cached >= prompt else []  # decoding: one step sampled, its input not cached yet
+    r.lm.input_rows = list(r.lm.output_ids)  # the positions after the prompt: that step's input
     if playing_since is not None:
-        r.record_chunk(playing_since, audio_s)  # all its audio so far, as one chunk
-        r.last_chunk_s = 0.1
+        r.playback.record_chunk(playing_since, audio_s)  # all its audio so far, as one chunk
+        r.playback.last_chunk_s = 0.1
     return r
 
 
@@ -93,13 +93,13 @@ def test_online_near_its_limit_decodes_full_batches_in_arrival_order():
 
     def stream(rid, arrival, made_s):  # a first chunk of 0.25 s at 90 s, then made_s more, on time
         r = _req(rid, arrival, playing_since=90.0, audio_s=0.25)
-        r.record_chunk(90.25, made_s)
-        r.windows_done = round((0.25 + made_s) / 0.085)  # 85 ms windows
+        r.playback.record_chunk(90.25, made_s)
+        r.codec.windows_done = round((0.25 + made_s) / 0.085)  # 85 ms windows
         return r
 
     slow = [stream(f"s{i}", i, 9.85) for i in range(2)]  # made 1x real time: 0.1 s left
-    slow[0].ready_windows = 2
-    assert slow[0].pace(now) == pytest.approx(1.0, abs=0.01) and slow[0].buffer_s(now) == pytest.approx(0.1)
+    slow[0].codec.ready_windows = 2
+    assert slow[0].pace(now) == pytest.approx(1.0, abs=0.01) and slow[0].playback.buffer_s(now) == pytest.approx(0.1)
     assert sched.schedule_detok([(slow[1], 1), (slow[0], 2)], 2, now, False) == []  # thin buffers, yet they wait
     plan = sched.schedule_detok([(slow[1], 3), (slow[0], 2)], 2, now, False)
     assert [(r.id, n) for r, n in plan] == [("s0", 2), ("s1", 2)]  # a full batch, oldest first
@@ -174,13 +174,13 @@ def test_online_detokenizer_lets_windows_pile_up_until_a_listener_needs_them():
 
 def test_a_player_that_ran_dry_resumes_with_the_next_chunk():
     r = _req("r", 0, playing_since=10.0, audio_s=1.0)
-    assert r.buffer_s(10.4) == pytest.approx(0.6)
-    assert r.buffer_s(12.0) == pytest.approx(-1.0)  # ran dry at 11.0: its listener has waited 1 s
-    r.record_chunk(12.0, 0.5)  # the player plays it from now: 0.5 s queued, not 1 s behind
-    assert r.buffer_s(12.0) == pytest.approx(0.5) and r.buffer_s(12.2) == pytest.approx(0.3)
-    r.record_chunk(12.2, 0.5)  # arrives while playing: queued on top
-    assert r.buffer_s(12.2) == pytest.approx(0.8)
-    assert r.audio_sent_s == pytest.approx(2.0) and r.last_chunk_s == 0.5
+    assert r.playback.buffer_s(10.4) == pytest.approx(0.6)
+    assert r.playback.buffer_s(12.0) == pytest.approx(-1.0)  # ran dry at 11.0: its listener has waited 1 s
+    r.playback.record_chunk(12.0, 0.5)  # the player plays it from now: 0.5 s queued, not 1 s behind
+    assert r.playback.buffer_s(12.0) == pytest.approx(0.5) and r.playback.buffer_s(12.2) == pytest.approx(0.3)
+    r.playback.record_chunk(12.2, 0.5)  # arrives while playing: queued on top
+    assert r.playback.buffer_s(12.2) == pytest.approx(0.8)
+    assert r.playback.audio_sent_s == pytest.approx(2.0) and r.playback.last_chunk_s == 0.5
 
 
 def test_a_stream_that_stalled_once_is_not_urgent_for_the_codec_forever():
@@ -188,15 +188,15 @@ def test_a_stream_that_stalled_once_is_not_urgent_for_the_codec_forever():
     sched = _online(detok_batch=8, detok_margin_s=0.15)
     r = _req("r", 0, playing_since=90.0, audio_s=5.0)  # ran dry at 95 s
     assert sched.schedule_detok([(r, 1)], lm_requests=BUSY, now=now, stateful=False) == [(r, 1)]
-    r.record_chunk(now, 0.34)  # the window it waited for: the player resumes with 0.34 s queued
+    r.playback.record_chunk(now, 0.34)  # the window it waited for: the player resumes with 0.34 s queued
     assert sched.schedule_detok([(r, 1)], lm_requests=BUSY, now=now + 0.05, stateful=False) == []
 
 
 def test_pace_counts_audio_made_after_the_first_chunk_and_ready_windows():
     r = _req("r", 0, playing_since=10.0, audio_s=0.25)  # the first chunk: made before playback started
-    r.windows_done = 3
+    r.codec.windows_done = 3
     assert r.pace(10.4) is None  # too early to tell
-    r.record_chunk(10.5, 0.5)
-    r.ready_windows = 3  # 3 more windows of 0.25 s each (0.75 s over 3 windows so far)
+    r.playback.record_chunk(10.5, 0.5)
+    r.codec.ready_windows = 3  # 3 more windows of 0.25 s each (0.75 s over 3 windows so far)
     assert r.pace(11.0) == pytest.approx((0.5 + 3 * 0.25) / 1.0)
     assert _req("new", 1).pace(11.0) is None

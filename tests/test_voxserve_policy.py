@@ -9,12 +9,12 @@ from voxbackend.sampling_params import SamplingParams
 
 def _req(rid: str, arrival: float, *, playing_since=None, audio_s=0.0, prompt=4, cached=4, streaming=True):
     r = Request(rid, list(range(prompt)), SamplingParams(seed=1), lambda e: None, arrival, streaming=streaming)
-    r.num_cached = cached
-    r.output_ids = [1] if cached >= prompt else []  # decoding: one step sampled, its input not cached yet
-    r.input_rows = list(r.output_ids)  # the positions after the prompt: that step's input
+    r.lm.num_cached = cached
+    r.lm.output_ids = [1] if cached >= prompt else []  # decoding: one step sampled, its input not cached yet
+    r.lm.input_rows = list(r.lm.output_ids)  # the positions after the prompt: that step's input
     if playing_since is not None:
-        r.record_chunk(playing_since, audio_s)  # all its audio so far, as one chunk
-        r.last_chunk_s = 0.1
+        r.playback.record_chunk(playing_since, audio_s)  # all its audio so far, as one chunk
+        r.playback.last_chunk_s = 0.1
     return r
 
 
@@ -81,6 +81,6 @@ def test_voxserve_counts_a_stall_against_the_stream_for_good():
     """VoxServe's playback clock is the first chunk's send time plus all audio sent: a stream that stalled stays
     behind it and pressing; our player model resumes after a stall (Request.buffer_s)."""
     r = _req("r", 0, playing_since=90.0, audio_s=5.0)  # ran dry at 95 s
-    r.record_chunk(100.0, 3.0)  # 3 s arrive at 100 s: 3 s queued for our player, 2 s behind VoxServe's clock
-    assert r.buffer_s(100.0) == 3.0 and not r.pressing(100.0, 0.0)
+    r.playback.record_chunk(100.0, 3.0)  # 3 s arrive at 100 s: 3 s queued for our player, 2 s behind VoxServe's clock
+    assert r.playback.buffer_s(100.0) == 3.0 and not r.pressing(100.0, 0.0)
     assert _sched(playback_margin_s=0.0)._pressing(r, 100.0)

@@ -34,18 +34,18 @@ class Admission:
         back would be wasted work). On top, one free page per request already on the LM: each grows by about a
         page per page_size steps, so a newcomer is not let into a pool that must preempt at the very next step.
         """
-        queued = [r for r in self.running if r.preempted] + list(self.waiting)
+        queued = [r for r in self.running if r.lm.preempted] + list(self.waiting)
         for r in self.policy.admission_order(queued, now):
-            first = r.num_positions if r.preempted else min(len(r.prompt_ids), self.config.prefill_budget)
+            first = r.num_positions if r.lm.preempted else min(len(r.prompt_ids), self.config.prefill_budget)
             need = self.pool.pages_for(first)
             if need + self._headroom() > self.pool.free_pages and not self._make_room(r, need, now):
                 return
-            r.pages = self.pool.allocate(r.id, first)
-            if r.preempted:
-                r.preempted = False
+            r.lm.pages = self.pool.allocate(r.id, first)
+            if r.lm.preempted:
+                r.lm.preempted = False
             else:
                 self.waiting.remove(r)
-                r.codec_state = self.model.new_codec_state(r.conditioning)
+                r.codec.state = self.model.new_codec_state(r.conditioning)
                 self.running.append(r)
 
     def _headroom(self) -> int:
@@ -60,7 +60,7 @@ class Admission:
             return False
         victims = [v for v in self.running if v.on_lm and not self.policy.pressing(v, now)]
         # each victim frees its pages and lowers the headroom by one
-        if self.pool.free_pages + sum(len(v.pages) + 1 for v in victims) < need + self._headroom():
+        if self.pool.free_pages + sum(len(v.lm.pages) + 1 for v in victims) < need + self._headroom():
             return False
         while need + self._headroom() > self.pool.free_pages:
             victim = preemption_victim(victims, now)
@@ -73,29 +73,29 @@ class Admission:
         (the most pressing first). When the pool is dry, the request that can best afford a pause among all on
         the LM (possibly the one asking) is preempted. Returns the plan without the preempted."""
         for r, n in plan:
-            need = self.pool.missing(r.id, r.num_cached + n)  # most steps need none
-            while not r.preempted and need > self.pool.free_pages:
+            need = self.pool.missing(r.id, r.lm.num_cached + n)  # most steps need none
+            while not r.lm.preempted and need > self.pool.free_pages:
                 self.preempt(preemption_victim([x for x in self.running if x.on_lm], now))
-            if need and not r.preempted:
-                r.pages = self.pool.allocate(r.id, r.num_cached + n)
-        return [(r, n) for r, n in plan if not r.preempted]
+            if need and not r.lm.preempted:
+                r.lm.pages = self.pool.allocate(r.id, r.lm.num_cached + n)
+        return [(r, n) for r, n in plan if not r.lm.preempted]
 
     def preempt(self, r: Request) -> None:
         """Take a request's pages back. It keeps its tokens, codes and codec state (ready windows still decode);
         on resume it recomputes prompt + generated steps, so its output is the same (sampling counters follow
         len(output_ids), not time)."""
         self.release(r)
-        r.num_cached = 0
-        r.preempted = True
-        r.preemptions += 1
-        r.skipped_steps = 0
+        r.lm.num_cached = 0
+        r.lm.preempted = True
+        r.lm.preemptions += 1
+        r.lm.skipped_steps = 0
         self.preemptions += 1
         log.info("preempted %s at %d positions (KV pool full)", r.id, r.num_positions)
 
     def release(self, r: Request) -> None:
         """The request's pages go back to the pool (harmless when it holds none)."""
         self.pool.release(r.id)
-        r.pages = []
+        r.lm.pages = []
 
 
 def preemption_victim(holders: list[Request], now: float) -> Request:

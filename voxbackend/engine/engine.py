@@ -28,7 +28,7 @@ from voxbackend.engine.validation import RequestValidator
 from voxbackend.errors import EngineDead, InvalidRequest
 from voxbackend.events import Event, EventKind
 from voxbackend.models.base import Prompt, SpeechModel
-from voxbackend.request import Request
+from voxbackend.request import LMState, Request
 from voxbackend.sampling_params import SamplingParams
 
 log = logging.getLogger("voxbackend.engine")
@@ -99,9 +99,9 @@ class Engine:
         checked = self.validator.check(prompt, sampling, text_open)
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(rid, checked.prompt_ids, checked.sampling, on_event or (lambda e: None), self.clock(),
-                      streaming=streaming, track=checked.track, conditioning=checked.conditioning,
-                      awaiting_input=self.model.waits_for_input(checked.track),
-                      feature_positions=checked.feature_positions, features=checked.features)
+                      streaming=streaming, conditioning=checked.conditioning,
+                      feature_positions=checked.feature_positions, features=checked.features,
+                      lm=LMState(track=checked.track, awaiting_input=self.model.waits_for_input(checked.track)))
         self.inbox.submit(req, text_open)
         return rid
 
@@ -205,7 +205,7 @@ class Engine:
         now = self.clock()
         if self.detokenizer is not None:
             for r in self.running:
-                r.ready_windows = self.detokenizer.ready(r)
+                r.codec.ready_windows = self.detokenizer.ready(r)
         self.admission.admit(now)
         lm = self.scheduler.schedule_lm(self.running, now)
         try:
@@ -225,7 +225,7 @@ class Engine:
             if self._failures >= MAX_CONSECUTIVE_FAILURES:
                 self._die(f"{MAX_CONSECUTIVE_FAILURES} engine steps failed in a row; last: {exc}")
             return True
-        return bool(lm or detok or self.waiting or any(r.preempted for r in self.running))
+        return bool(lm or detok or self.waiting or any(r.lm.preempted for r in self.running))
 
     def _drain_inbox(self) -> None:
         cancels, appends = self.inbox.drain()
@@ -236,13 +236,13 @@ class Engine:
                 if r is None or r.lm_done:  # finished while the append was in the inbox
                     continue
                 try:
-                    self.model.extend_track(r.track, ids, final)
+                    self.model.extend_track(r.lm.track, ids, final)
                 except InvalidRequest as exc:  # what append_text could not tell synchronously: this request ends
                     if r in self.waiting:
                         self.waiting.remove(r)
                     self.output.finish(r, error=str(exc))
                     continue
-                if r.awaiting_input:
+                if r.lm.awaiting_input:
                     self.output.feed(r)
         if not cancels:
             return

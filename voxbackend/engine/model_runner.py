@@ -41,24 +41,24 @@ class ModelRunner:
         feature_rows: list[int] = []
         feature_vectors: list[torch.Tensor] = []
         for r, n in plan:
-            start = r.num_cached
+            start = r.lm.num_cached
             if n == 1:  # a decode (most rows of most steps): the last step's input
                 ids.append(r.position(start))
                 positions.append(start)
             else:  # a prompt chunk or a resumed prefix
                 ids.extend(r.positions(start, start + n))
                 positions.extend(range(start, start + n))
-            seqs.append(SeqSlice(len(ids) - n, n, start, r.pages))
+            seqs.append(SeqSlice(len(ids) - n, n, start, r.lm.pages))
             if r.feature_positions:  # the FEATURE rows in this chunk (a recomputed prefix has them all again)
                 at = r.feature_positions
                 lo, hi = bisect.bisect_left(at, start), bisect.bisect_left(at, start + n)
                 if hi > lo:
                     feature_rows.extend(len(ids) - n + p - start for p in at[lo:hi])
                     feature_vectors.append(r.features[lo:hi])
-            r.num_cached += n
+            r.lm.num_cached += n
             # this chunk ends the sequence so far (or it is a decode) and the last step's input is in it: a
             # token comes out (a resumed request that waits for text has sampled from that position already)
-            if not r.uncached and not r.awaiting_input:
+            if not r.uncached and not r.lm.awaiting_input:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(r)
         self.attention.plan(seqs)
@@ -73,12 +73,12 @@ class ModelRunner:
             return []
         # a pure decode step samples every row: no gather
         rows = hidden if len(sample_rows) == len(hidden) else hidden[long_tensor(sample_rows, dev)]
-        logits, token_ids = self.model.candidate_logits(rows, [len(r.codes) for r in sampled])
-        early = [len(r.output_ids) < r.sampling.min_tokens for r in sampled]
+        logits, token_ids = self.model.candidate_logits(rows, [len(r.codec.codes) for r in sampled])
+        early = [len(r.lm.output_ids) < r.sampling.min_tokens for r in sampled]
         if any(early) and self.model.spec.stop_ids:  # no stop before min_tokens
             logits = mask_ids(logits, token_ids, torch.tensor(self.model.spec.stop_ids, device=dev),
                               torch.tensor(early, device=dev))
-        logits = self.model.constrain_logits(logits, token_ids, [r.track for r in sampled])
+        logits = self.model.constrain_logits(logits, token_ids, [r.lm.track for r in sampled])
         kept = self.penalties.rows(sampled) if any(r.sampling.repetition_penalty != 1.0 for r in sampled) else None
         batch = self._sampling_batch(sampled, kept)
         steps = sample(logits, batch, token_ids)
@@ -101,7 +101,7 @@ class ModelRunner:
         ras = any(r.sampling.ras_window > 0 for r in sampled)
         return SamplingBatch.build(
             [r.sampling for r in sampled],
-            [len(r.output_ids) * columns for r in sampled],
+            [len(r.lm.output_ids) * columns for r in sampled],
             self.penalties.history(kept, 0),
             self._column_vocab(0),
             self.device,
@@ -110,7 +110,7 @@ class ModelRunner:
 
     def _recent(self, r: Request) -> list[int]:
         """What repetition-aware sampling looks at: the last generated ids (column 0)."""
-        tail = r.output_ids[-r.sampling.ras_window:] if r.sampling.ras_window else []
+        tail = r.lm.output_ids[-r.sampling.ras_window:] if r.sampling.ras_window else []
         return tail if self.model.spec.token_columns == 1 else [row[0] for row in tail]
 
     def _column_batch(self, batch: SamplingBatch, kept: PenaltyRows | None, column: int) -> SamplingBatch:

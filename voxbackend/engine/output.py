@@ -36,26 +36,26 @@ class Output:
     # ---------------------------------------------------------------- the LM
     def lm_steps(self, sampled: list[tuple[Request, int | list[int]]]) -> None:
         for r, step in sampled:
-            r.output_ids.append(step)
-            r.codes.extend(self.model.codes_from_step(step, len(r.codes)))
-            if self.model.ends(step, r.track):
+            r.lm.output_ids.append(step)
+            r.codec.codes.extend(self.model.codes_from_step(step, len(r.codec.codes)))
+            if self.model.ends(step, r.lm.track):
                 self._lm_finished(r, "stop")
-            elif len(r.output_ids) >= r.sampling.max_tokens:
+            elif len(r.lm.output_ids) >= r.sampling.max_tokens:
                 self._lm_finished(r, "length")
             else:
-                r.awaiting_input = True
+                r.lm.awaiting_input = True
                 self.feed(r)
 
     def feed(self, r: Request) -> None:
         """The positions after the last sampled step, from the model (the step itself, the step plus the next text
         id, or several); a track still waiting for text leaves the request off the LM until append_text."""
-        rows = self.model.next_inputs(r.output_ids[-1] if r.output_ids else None, r.track)
+        rows = self.model.next_inputs(r.lm.output_ids[-1] if r.lm.output_ids else None, r.lm.track)
         if rows is not None:
-            r.input_rows.extend(rows)
-            r.awaiting_input = False
+            r.lm.input_rows.extend(rows)
+            r.lm.awaiting_input = False
 
     def _lm_finished(self, r: Request, reason: str) -> None:
-        r.finish_reason = reason
+        r.lm.finish_reason = reason
         self.inbox.close_text(r.id)  # the utterance has ended
         self.admission.release(r)  # pages go back now, not after detokenization
         self.runner.release(r)
@@ -67,21 +67,22 @@ class Output:
         hold = self.config.first_chunk_s * self.model.spec.sample_rate
         for r, audio in decoded:
             done = self.detokenizer.finished(r)
-            if r.first_chunk_at is None:
+            p = r.playback
+            if p.first_chunk_at is None:
                 # The first chunk waits until it covers first_chunk_s (or the stream ends): a listener that
                 # starts on a thin buffer stalls at the next scheduling hiccup.
-                r.held_audio.append(audio)
-                if sum(len(a) for a in r.held_audio) < hold and not done:
+                p.held_audio.append(audio)
+                if sum(len(a) for a in p.held_audio) < hold and not done:
                     continue
-                audio, r.held_audio = np.concatenate(r.held_audio), []
+                audio, p.held_audio = np.concatenate(p.held_audio), []
             self._send_audio(r, audio)
             if done:
-                self.finish(r, reason=r.finish_reason)
+                self.finish(r, reason=r.lm.finish_reason)
 
     def _send_audio(self, r: Request, audio: np.ndarray) -> None:
-        r.record_chunk(self.clock(), len(audio) / self.model.spec.sample_rate)
-        self._deliver(r, Event(r.id, EventKind.AUDIO, index=r.chunks_sent, audio=audio))
-        r.chunks_sent += 1
+        r.playback.record_chunk(self.clock(), len(audio) / self.model.spec.sample_rate)
+        self._deliver(r, Event(r.id, EventKind.AUDIO, index=r.playback.chunks_sent, audio=audio))
+        r.playback.chunks_sent += 1
 
     # ---------------------------------------------------------------- the end of a request
     def finish(self, r: Request, reason: str | None = None, error: str | None = None) -> None:
@@ -91,13 +92,14 @@ class Output:
         if r in self.running:
             self.running.remove(r)
         if error is not None:
-            self._deliver(r, Event(r.id, EventKind.ERROR, index=r.chunks_sent, error=error))
+            self._deliver(r, Event(r.id, EventKind.ERROR, index=r.playback.chunks_sent, error=error))
         else:
             self.emit_final(r, reason or "stop")
 
     def emit_final(self, r: Request, reason: str) -> None:
         self._deliver(
-            r, Event(r.id, EventKind.FINISHED, index=r.chunks_sent, finish_reason=reason, token_ids=list(r.output_ids))
+            r, Event(r.id, EventKind.FINISHED, index=r.playback.chunks_sent, finish_reason=reason,
+                     token_ids=list(r.lm.output_ids))
         )
 
     def _deliver(self, r: Request, event: Event) -> None:

@@ -34,16 +34,16 @@ class PenaltyTable:
     def rows(self, requests: list[Request]) -> PenaltyRows:
         """Slots for these requests, each holding all its entries so far (a new slot, or a request that sampled
         without a penalty for a while, is written from the host), with room for this step's."""
-        lengths = [self._prefix(r) + len(r.output_ids) for r in requests]
+        lengths = [self._prefix(r) + len(r.lm.output_ids) for r in requests]
         width = max(lengths)
-        self._grow(sum(1 for r in requests if r.penalty_slot is None), width + 1)
+        self._grow(sum(1 for r in requests if r.penalty.slot is None), width + 1)
         for r, n in zip(requests, lengths):
-            if r.penalty_slot is None:
-                r.penalty_slot, r.penalty_len = self.free.pop(), 0
-                self.table[r.penalty_slot].fill_(-1)  # what a request before it left there
-            if r.penalty_len < n:
+            if r.penalty.slot is None:
+                r.penalty.slot, r.penalty.length = self.free.pop(), 0
+                self.table[r.penalty.slot].fill_(-1)  # what a request before it left there
+            if r.penalty.length < n:
                 self._write(r, n)
-        slots, ends = long_tensor([[r.penalty_slot for r in requests], lengths], self.table.device)
+        slots, ends = long_tensor([[r.penalty.slot for r in requests], lengths], self.table.device)
         return PenaltyRows(slots, ends, max(1, width))
 
     def history(self, kept: PenaltyRows | None, column: int) -> torch.Tensor | None:
@@ -57,21 +57,21 @@ class PenaltyTable:
         """This step's sampled ids [B] (or rows [B, token_columns]), still on the device."""
         self.table[kept.slots, :, kept.ends] = steps.view(len(requests), -1)
         for r in requests:
-            r.penalty_len += 1
+            r.penalty.length += 1
 
     def release(self, r: Request) -> None:
-        if r.penalty_slot is not None:
-            self.free.append(r.penalty_slot)
-            r.penalty_slot = None
+        if r.penalty.slot is not None:
+            self.free.append(r.penalty.slot)
+            r.penalty.slot = None
 
     def _prefix(self, r: Request) -> int:
         return len(r.prompt_ids) if self.spec.penalty_on_prompt else 0
 
     def _write(self, r: Request, n: int) -> None:
-        start, prompt = r.penalty_len, (r.prompt_ids if self.spec.penalty_on_prompt else [])
-        entries = prompt[start:] + r.output_ids[max(0, start - len(prompt)) : n - len(prompt)]
-        self.table[r.penalty_slot, :, start:n] = long_tensor(entries, self.table.device).view(len(entries), -1).T
-        r.penalty_len = n
+        start, prompt = r.penalty.length, (r.prompt_ids if self.spec.penalty_on_prompt else [])
+        entries = prompt[start:] + r.lm.output_ids[max(0, start - len(prompt)) : n - len(prompt)]
+        self.table[r.penalty.slot, :, start:n] = long_tensor(entries, self.table.device).view(len(entries), -1).T
+        r.penalty.length = n
 
     def _grow(self, new_slots: int, width: int) -> None:
         slots, columns, have = self.table.shape

@@ -33,7 +33,7 @@ class Policy:
             budget -= n
         chosen = {id(r) for r, _ in plan}
         for r in candidates:
-            r.skipped_steps = 0 if id(r) in chosen else r.skipped_steps + 1
+            r.lm.skipped_steps = 0 if id(r) in chosen else r.lm.skipped_steps + 1
         return plan
 
     # ---------------------------------------------------------------- KV pages

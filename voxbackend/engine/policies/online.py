@@ -26,7 +26,7 @@ class OnlinePolicy(Policy):
         self.near_limit = False  # its last verdict; the LM order follows it
 
     def _urgent(self, r: Request, now: float) -> bool:
-        return self.pressing(r, now) or r.skipped_steps >= MAX_SKIPPED_STEPS
+        return self.pressing(r, now) or r.lm.skipped_steps >= MAX_SKIPPED_STEPS
 
     def lm_order(self, lm_reqs: list[Request], now: float) -> list[Request]:
         # near its limit online serves in arrival order too: when not every stream can keep playing, the oldest
@@ -35,7 +35,7 @@ class OnlinePolicy(Policy):
             return super().lm_order(lm_reqs, now)
 
         def key(r: Request):
-            if r.first_chunk_at is None and r.streaming:  # nothing played yet: time to first audio counts
+            if r.playback.first_chunk_at is None and r.streaming:  # nothing played yet: time to first audio counts
                 return (1, r.arrival)
             urgent = self._urgent(r, now)
             return (0 if urgent else 2, r.lead_s(now))
@@ -72,14 +72,15 @@ class OnlinePolicy(Policy):
         urgent = [x for x, u in zip(ready, is_urgent) if u]
         if not urgent and lm_requests and total < cap:
             return []
-        others = sorted([x for x, u in zip(ready, is_urgent) if not u], key=lambda x: x[0].buffer_s(now))
-        urgent.sort(key=lambda x: (x[0].first_chunk_at is not None, x[0].buffer_s(now)))
+        others = sorted([x for x, u in zip(ready, is_urgent) if not u], key=lambda x: x[0].playback.buffer_s(now))
+        urgent.sort(key=lambda x: (x[0].playback.first_chunk_at is not None, x[0].playback.buffer_s(now)))
         plan = _split(urgent, cap)
         return plan + take(others, cap - sum(n for _, n in plan))
 
     def _detok_urgent(self, r: Request, now: float) -> bool:
         """A listener needs audio soon (batch jobs never do: they ride along, or run when the LM is idle)."""
-        return r.streaming and (r.first_chunk_at is None or r.buffer_s(now) < self.config.detok_margin_s)
+        p = r.playback
+        return r.streaming and (p.first_chunk_at is None or p.buffer_s(now) < self.config.detok_margin_s)
 
     def _near_limit(self, ready: Plan, now: float) -> bool:
         """The machine is near its limit: the streams are made barely faster than they play (their average pace

@@ -29,16 +29,17 @@ class VoxServePolicy(Policy):
     def _pressing(self, r: Request, now: float) -> bool:
         """VoxServe's rule: from the chunks sent alone (nothing sent yet, or buffer <= last chunk + margin), with
         its playback clock: the first chunk's send time plus all audio sent, a player that never pauses (ours
-        resumes after running dry: Request.buffer_s)."""
+        resumes after running dry: Playback.buffer_s)."""
+        p = r.playback
         if not r.streaming:
             return False
-        if r.first_chunk_at is None:
+        if p.first_chunk_at is None:
             return True
-        return r.audio_sent_s - (now - r.first_chunk_at) <= r.last_chunk_s + self.config.playback_margin_s
+        return p.audio_sent_s - (now - p.first_chunk_at) <= p.last_chunk_s + self.config.playback_margin_s
 
     def schedule_lm(self, running: list[Request], now: float) -> Plan:
         active = sorted((r for r in running if r.wants_lm), key=lambda r: r.arrival)
-        prefills = [r for r in active if r.uncached > 1 or r.num_cached == 0]  # a prompt, or a resumed prefix
+        prefills = [r for r in active if r.uncached > 1 or r.lm.num_cached == 0]  # a prompt, or a resumed prefix
         decodes = [r for r in active if r not in prefills]
         plan: Plan = []
         cap = self.config.max_batch
