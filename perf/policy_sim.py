@@ -231,8 +231,8 @@ def _instrument(engine: Engine, result: SimResult, clock: SimClock) -> None:
         pressing = sum(r.pressing(now, margin) for r in running if not r.lm_done)
         result.steps.append(StepRecord(now, len(running), pressing, len(plan), 0))
         for r in running:
-            if r.first_chunk_at is not None:
-                result.buffers.setdefault(r.id, []).append((now, r.buffer_s(now)))
+            if r.playback.first_chunk_at is not None:
+                result.buffers.setdefault(r.id, []).append((now, r.playback.buffer_s(now)))
         return plan
 
     def detok(ready, lm_requests, now, stateful):

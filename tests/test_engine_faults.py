@@ -128,8 +128,8 @@ def test_random_admissions_cancellations_and_failures_leave_every_page_free(llam
             engine.cancel(rng.choice(ids))
         else:
             engine.step()
-        assert engine.pool.used_pages == sum(len(r.pages) for r in engine.running)
-        held = [r.penalty_slot for r in engine.running if r.penalty_slot is not None]
+        assert engine.pool.used_pages == sum(len(r.lm.pages) for r in engine.running)
+        held = [r.penalty.slot for r in engine.running if r.penalty.slot is not None]
         assert len(set(held)) == len(held) and not set(held) & set(penalties.free)
     engine.model.forward = forward
     while any(rec.final(i) is None for i in ids):

@@ -11,7 +11,8 @@ import pytest
 import voxbackend
 from voxbackend.config import EngineConfig
 from voxbackend.engine.engine import Engine
-from voxbackend.engine.scheduler import Scheduler, preemption_victim
+from voxbackend.engine.admission import preemption_victim
+from voxbackend.engine.policies import make_policy
 from voxbackend.errors import InvalidRequest
 from voxbackend.events import EventKind
 from voxbackend.request import Request
@@ -74,10 +75,10 @@ def _drive(engine: Engine, rec: Recorder, ids: list[str], clock: FakeClock | Non
 
 def _check_pages(engine: Engine) -> None:
     """Pages held are exactly the running requests' page tables, disjoint; preempted requests hold none."""
-    held = [p for r in engine.running for p in r.pages]
+    held = [p for r in engine.running for p in r.lm.pages]
     assert len(held) == len(set(held)) == engine.pool.used_pages <= engine.pool.num_pages
-    assert all(not r.pages for r in engine.running if r.preempted or r.lm_done)
-    assert all(not r.pages for r in engine.waiting)
+    assert all(not r.lm.pages for r in engine.running if r.lm.preempted or r.lm_done)
+    assert all(not r.lm.pages for r in engine.waiting)
 
 
 def _pool_is_whole(engine: Engine) -> bool:
@@ -88,8 +89,8 @@ def _pool_is_whole(engine: Engine) -> bool:
 def _req(rid, arrival, *, streaming=True, playing_since=None, audio_s=0.0):
     r = Request(rid, [1, 2, 3], SamplingParams(seed=1), lambda e: None, arrival, streaming=streaming)
     if playing_since is not None:
-        r.record_chunk(playing_since, audio_s)  # all its audio so far, as one chunk
-        r.last_chunk_s = 0.2
+        r.playback.record_chunk(playing_since, audio_s)  # all its audio so far, as one chunk
+        r.playback.last_chunk_s = 0.2
     return r
 
 
@@ -114,9 +115,9 @@ def test_admission_order_puts_waiting_listeners_first_under_online_only():
     paused_dry = _req("paused_dry", 2, playing_since=90.0, audio_s=10.1)  # preempted, about to run dry
     new = _req("new", 3)
     waiting = [new, paused_rich, batch, paused_dry]
-    online = Scheduler(EngineConfig(policy="online"))
+    online = make_policy(EngineConfig(policy="online"))
     assert [r.id for r in online.admission_order(waiting, now)] == ["paused_dry", "new", "batch", "paused_rich"]
-    fcfs = Scheduler(EngineConfig(policy="fcfs"))
+    fcfs = make_policy(EngineConfig(policy="fcfs"))
     assert [r.id for r in fcfs.admission_order(waiting, now)] == ["batch", "paused_rich", "paused_dry", "new"]
 
 
@@ -239,7 +240,7 @@ def test_random_growth_preemption_resume_cancel_and_errors_free_every_page(llama
     finals = {rid: rec.final(rid) for rid in jobs}
     assert {EventKind.ERROR, EventKind.FINISHED} <= {f.kind for f in finals.values()}
     assert {"cancelled", "length"} <= {f.finish_reason for f in finals.values()}
-    resumed = [rid for rid, r in requests.items() if r.preemptions and finals[rid].finish_reason == "length"]
+    resumed = [rid for rid, r in requests.items() if r.lm.preemptions and finals[rid].finish_reason == "length"]
     assert engine.stats().preemptions >= 5 and resumed
     # a preempted-and-resumed request's tokens and audio equal its run alone (seeded sampling included)
     alone = _engine(llama_dir, kv_pages=24, prefill_budget=16, max_tokens_limit=60)
@@ -265,7 +266,7 @@ def _run(engine: Engine, jobs, *, streaming=True) -> tuple[list, Recorder]:
         _check_pages(engine)
     assert all(rec.final(i).kind is EventKind.FINISHED for i in ids)
     assert _pool_is_whole(engine)
-    return [(rec.final(i).token_ids, rec.audio(i), requests[i].preemptions) for i in ids], rec
+    return [(rec.final(i).token_ids, rec.audio(i), requests[i].lm.preemptions) for i in ids], rec
 
 
 def test_token_lm_greedy_output_survives_preemption(llama_dir):

@@ -77,8 +77,9 @@ def _run(engine: Engine, prompts: list[Prompt], stagger: int = 0, preempt_at: in
     while len(done) < len(ids):
         engine.step()
         if preempt_at is not None:
-            for r in [r for r in engine.running if r.on_lm and len(r.output_ids) == preempt_at and not r.preemptions]:
-                engine._preempt(r)
+            for r in [r for r in engine.running
+                      if r.on_lm and len(r.lm.output_ids) == preempt_at and not r.lm.preemptions]:
+                engine.admission.preempt(r)
     assert engine.pool.used_pages == 0
     return [done[i] for i in ids]
 

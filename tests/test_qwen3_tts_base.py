@@ -153,8 +153,8 @@ def test_batched_references_staggered_chunked_and_preempted(ref, model):
     def step():
         engine.step()
         # at 2 frames (neither may be EOS: min_new_tokens) every request is still on the LM
-        for r in [r for r in engine.running if r.on_lm and len(r.output_ids) == 2 and not r.preemptions]:
-            engine._preempt(r)
+        for r in [r for r in engine.running if r.on_lm and len(r.lm.output_ids) == 2 and not r.lm.preemptions]:
+            engine.admission.preempt(r)
 
     ids = []
     for case in CASES:

@@ -156,17 +156,17 @@ def test_waiting_open_request_holds_no_lm_slot_and_others_play(model):
         engine.step()
     req = {r.id: r for r in engine.running}
     waiting, playing = req[rid], req[other]
-    assert waiting.awaiting_input and len(waiting.output_ids) == 1  # the prompt's one text token was all it had
-    pages, before = list(waiting.pages), len(playing.output_ids)
+    assert waiting.lm.awaiting_input and len(waiting.lm.output_ids) == 1  # the prompt's one text token was all it had
+    pages, before = list(waiting.lm.pages), len(playing.lm.output_ids)
     for _ in range(6):
         assert all(r is not waiting for r, _ in engine.scheduler.schedule_lm(engine.running, engine.clock()))
         engine.step()
-    assert len(waiting.output_ids) == 1 and waiting.pages == pages  # keeps its pages, takes no LM step
-    assert len(playing.output_ids) == before + 6
+    assert len(waiting.lm.output_ids) == 1 and waiting.lm.pages == pages  # keeps its pages, takes no LM step
+    assert len(playing.lm.output_ids) == before + 6
     assert any(e.kind is EventKind.AUDIO for e in events["other"])
     engine.append_text(rid, model.text_piece_ids(" end."), final=False)
     engine.step()
-    assert len(waiting.output_ids) == 2  # fed again as soon as text came
+    assert len(waiting.lm.output_ids) == 2  # fed again as soon as text came
     with pytest.raises(InvalidRequest) as err:
         engine.append_text("no-such-request", [1], final=True)
     assert err.value.field == "text"
@@ -201,10 +201,10 @@ def test_preempted_requests_recompute_the_rows_they_were_fed(model):
     for _ in range(3):
         engine.step()
     r = engine.running[0]
-    assert r.awaiting_input
-    engine._preempt(r)
+    assert r.lm.awaiting_input
+    engine.admission.preempt(r)
     engine.step()  # re-admitted and recomputed; it samples nothing new while it waits
-    assert not r.preempted and r.awaiting_input and r.uncached == 0
+    assert not r.lm.preempted and r.lm.awaiting_input and r.uncached == 0
     engine.append_text(rid, [i for p in PIECES[1:] for i in model.text_piece_ids(p)], final=True)
     while not out or not out[-1].final:
         engine.step()

@@ -125,7 +125,7 @@ def test_penalty_table_holds_what_the_lists_hold(columns, on_prompt):
     import random
     from types import SimpleNamespace
 
-    from voxbackend.engine.model_runner import PenaltyTable
+    from voxbackend.engine.penalties import PenaltyTable
     from voxbackend.request import Request
 
     rng = random.Random(columns)
@@ -142,21 +142,21 @@ def test_penalty_table_holds_what_the_lists_hold(columns, on_prompt):
         new = [row() for _ in batch]
         if rng.random() < 0.2:  # a batch without a penalty: the table does not see this step
             for r, s in zip(batch, new):
-                r.output_ids.append(s)
+                r.lm.output_ids.append(s)
             continue
         kept = table.rows(batch)
         for c in range(columns):
             got = table.history(kept, c).tolist()
             for r, ids in zip(batch, got):
-                want = [x if columns == 1 else x[c] for x in (r.prompt_ids if on_prompt else []) + r.output_ids]
+                want = [x if columns == 1 else x[c] for x in (r.prompt_ids if on_prompt else []) + r.lm.output_ids]
                 assert ids == want + [-1] * (kept.width - len(want)), (step, r.id, c)
         table.append(batch, kept, torch.tensor(new))  # [B] ids, or [B, columns] rows
         for r, s in zip(batch, new):
-            r.output_ids.append(s)
+            r.lm.output_ids.append(s)
         if rng.random() < 0.15:  # one finishes: its slot goes back
             gone = live.pop(rng.randrange(len(live)))
             table.release(gone)
-    assert born > 12 and max(len(r.output_ids) for r in live) > 20  # slots reused, the table grown
+    assert born > 12 and max(len(r.lm.output_ids) for r in live) > 20  # slots reused, the table grown
     for r in live:
         table.release(r)
     assert sorted(table.free) == list(range(len(table.table)))  # no slot leaks

@@ -3,7 +3,9 @@ import pytest
 
 from voxbackend.config import EngineConfig
 from voxbackend.engine.detokenize import window_bounds, window_count
-from voxbackend.engine.scheduler import MAX_SKIPPED_STEPS, Scheduler, WindowRate
+from voxbackend.engine.policies import make_policy
+from voxbackend.engine.policies.base import MAX_SKIPPED_STEPS
+from voxbackend.engine.policies.online import OnlinePolicy, WindowRate
 from voxbackend.models.base import WindowSpec
 from voxbackend.request import Request
 from voxbackend.sampling_params import SamplingParams
@@ -14,12 +16,12 @@ BUSY = EngineConfig().max_batch  # requests on the LM: a full batch, where the o
 
 def _req(rid: str, arrival: float, *, playing_since=None, audio_s=0.0, prompt=4, cached=4, streaming=True):
     r = Request(rid, list(range(prompt)), SamplingParams(seed=1), lambda e: None, arrival, streaming=streaming)
-    r.num_cached = cached
-    r.output_ids = [1] if cached >= prompt else []  # decoding: one step sampled, its input not cached yet
-    r.input_rows = list(r.output_ids)  # the positions after the prompt: that step's input
+    r.lm.num_cached = cached
+    r.lm.output_ids = [1] if cached >= prompt else []  # decoding: one step sampled, its input not cached yet
+    r.lm.input_rows = list(r.lm.output_ids)  # the positions after the prompt: that step's input
     if playing_since is not None:
-        r.record_chunk(playing_since, audio_s)  # all its audio so far, as one chunk
-        r.last_chunk_s = 0.1
+        r.playback.record_chunk(playing_since, audio_s)  # all its audio so far, as one chunk
+        r.playback.last_chunk_s = 0.1
     return r
 
 
@@ -28,10 +30,10 @@ def test_online_gives_lm_slots_to_streams_about_to_stall():
     comfy = [_req(f"c{i}", arrival=i, playing_since=90.0, audio_s=30.0) for i in range(3)]  # 20 s buffered
     low = _req("low", arrival=10, playing_since=90.0, audio_s=10.5)  # 0.5 s left: pressing
     new = _req("new", arrival=11)  # nothing played yet: pressing
-    sched = Scheduler(EngineConfig(policy="online", max_batch=2))
+    sched = make_policy(EngineConfig(policy="online", max_batch=2))
     chosen = [r.id for r, _ in sched.schedule_lm(comfy + [low, new], now)]
     assert chosen == ["low", "new"]
-    fcfs = Scheduler(EngineConfig(policy="fcfs", max_batch=2))
+    fcfs = make_policy(EngineConfig(policy="fcfs", max_batch=2))
     assert [r.id for r, _ in fcfs.schedule_lm(comfy + [low, new], now)] == ["c0", "c1"]
 
 
@@ -39,14 +41,14 @@ def test_passed_over_requests_age_into_slots():
     now = 100.0
     comfy = _req("comfy", arrival=0, playing_since=90.0, audio_s=60.0)
     busy = [_req(f"n{i}", arrival=1 + i) for i in range(2)]
-    sched = Scheduler(EngineConfig(policy="online", max_batch=2))
+    sched = make_policy(EngineConfig(policy="online", max_batch=2))
     for _ in range(MAX_SKIPPED_STEPS):
         assert "comfy" not in [r.id for r, _ in sched.schedule_lm([comfy, *busy], now)]
     assert "comfy" in [r.id for r, _ in sched.schedule_lm([comfy, *busy], now)]
 
 
 def test_chunked_prefill_under_token_budget_with_several_prefills():
-    sched = Scheduler(EngineConfig(policy="fcfs", max_batch=8, prefill_budget=10))
+    sched = make_policy(EngineConfig(policy="fcfs", max_batch=8, prefill_budget=10))
     a = _req("a", 0, prompt=6, cached=0)
     b = _req("b", 1, prompt=9, cached=0)
     c = _req("c", 2)  # decoding
@@ -54,10 +56,10 @@ def test_chunked_prefill_under_token_budget_with_several_prefills():
     assert plan == [("a", 6), ("b", 4)]  # two prefills share the step; b continues next step
 
 
-def _online(now: float = 100.0, windows_per_s: float = 1000.0, **config) -> Scheduler:
+def _online(now: float = 100.0, windows_per_s: float = 1000.0, **config) -> OnlinePolicy:
     """The online scheduler with windows coming at `windows_per_s` (a full batch forms within milliseconds by
     default) and, unless given, no pace floor (the rules with headroom; on a CPU device "auto" is 1.6)."""
-    sched = Scheduler(EngineConfig(policy="online", **{"detok_pace_floor": 0.0, **config}))
+    sched = make_policy(EngineConfig(policy="online", **{"detok_pace_floor": 0.0, **config}))
     sched.window_rate = WindowRate(per_s=windows_per_s, at=now)
     return sched
 
@@ -91,13 +93,13 @@ def test_online_near_its_limit_decodes_full_batches_in_arrival_order():
 
     def stream(rid, arrival, made_s):  # a first chunk of 0.25 s at 90 s, then made_s more, on time
         r = _req(rid, arrival, playing_since=90.0, audio_s=0.25)
-        r.record_chunk(90.25, made_s)
-        r.windows_done = round((0.25 + made_s) / 0.085)  # 85 ms windows
+        r.playback.record_chunk(90.25, made_s)
+        r.codec.windows_done = round((0.25 + made_s) / 0.085)  # 85 ms windows
         return r
 
     slow = [stream(f"s{i}", i, 9.85) for i in range(2)]  # made 1x real time: 0.1 s left
-    slow[0].ready_windows = 2
-    assert slow[0].pace(now) == pytest.approx(1.0, abs=0.01) and slow[0].buffer_s(now) == pytest.approx(0.1)
+    slow[0].codec.ready_windows = 2
+    assert slow[0].pace(now) == pytest.approx(1.0, abs=0.01) and slow[0].playback.buffer_s(now) == pytest.approx(0.1)
     assert sched.schedule_detok([(slow[1], 1), (slow[0], 2)], 2, now, False) == []  # thin buffers, yet they wait
     plan = sched.schedule_detok([(slow[1], 3), (slow[0], 2)], 2, now, False)
     assert [(r.id, n) for r, n in plan] == [("s0", 2), ("s1", 2)]  # a full batch, oldest first
@@ -134,13 +136,13 @@ def test_pressing_requests_over_budget_share_it():
 
 
 def test_stateful_codec_gets_one_window_per_request_per_call():
-    sched = Scheduler(EngineConfig(policy="fcfs", detok_batch=8))
+    sched = make_policy(EngineConfig(policy="fcfs", detok_batch=8))
     plan = sched.schedule_detok([(_req("a", 0), 3), (_req("b", 1), 2)], BUSY, 0.0, stateful=True)
     assert [(r.id, n) for r, n in plan] == [("a", 1), ("b", 1)]
 
 
 def test_offline_detokenizes_in_bulk():
-    sched = Scheduler(EngineConfig(policy="offline", detok_batch=4))
+    sched = make_policy(EngineConfig(policy="offline", detok_batch=4))
     a = _req("a", 0)
     assert sched.schedule_detok([(a, 3)], lm_requests=BUSY, now=0.0, stateful=False) == []
     assert [(r.id, n) for r, n in sched.schedule_detok([(a, 4)], BUSY, 0.0, False)] == [("a", 4)]
@@ -172,13 +174,13 @@ def test_online_detokenizer_lets_windows_pile_up_until_a_listener_needs_them():
 
 def test_a_player_that_ran_dry_resumes_with_the_next_chunk():
     r = _req("r", 0, playing_since=10.0, audio_s=1.0)
-    assert r.buffer_s(10.4) == pytest.approx(0.6)
-    assert r.buffer_s(12.0) == pytest.approx(-1.0)  # ran dry at 11.0: its listener has waited 1 s
-    r.record_chunk(12.0, 0.5)  # the player plays it from now: 0.5 s queued, not 1 s behind
-    assert r.buffer_s(12.0) == pytest.approx(0.5) and r.buffer_s(12.2) == pytest.approx(0.3)
-    r.record_chunk(12.2, 0.5)  # arrives while playing: queued on top
-    assert r.buffer_s(12.2) == pytest.approx(0.8)
-    assert r.audio_sent_s == pytest.approx(2.0) and r.last_chunk_s == 0.5
+    assert r.playback.buffer_s(10.4) == pytest.approx(0.6)
+    assert r.playback.buffer_s(12.0) == pytest.approx(-1.0)  # ran dry at 11.0: its listener has waited 1 s
+    r.playback.record_chunk(12.0, 0.5)  # the player plays it from now: 0.5 s queued, not 1 s behind
+    assert r.playback.buffer_s(12.0) == pytest.approx(0.5) and r.playback.buffer_s(12.2) == pytest.approx(0.3)
+    r.playback.record_chunk(12.2, 0.5)  # arrives while playing: queued on top
+    assert r.playback.buffer_s(12.2) == pytest.approx(0.8)
+    assert r.playback.audio_sent_s == pytest.approx(2.0) and r.playback.last_chunk_s == 0.5
 
 
 def test_a_stream_that_stalled_once_is_not_urgent_for_the_codec_forever():
@@ -186,15 +188,15 @@ def test_a_stream_that_stalled_once_is_not_urgent_for_the_codec_forever():
     sched = _online(detok_batch=8, detok_margin_s=0.15)
     r = _req("r", 0, playing_since=90.0, audio_s=5.0)  # ran dry at 95 s
     assert sched.schedule_detok([(r, 1)], lm_requests=BUSY, now=now, stateful=False) == [(r, 1)]
-    r.record_chunk(now, 0.34)  # the window it waited for: the player resumes with 0.34 s queued
+    r.playback.record_chunk(now, 0.34)  # the window it waited for: the player resumes with 0.34 s queued
     assert sched.schedule_detok([(r, 1)], lm_requests=BUSY, now=now + 0.05, stateful=False) == []
 
 
 def test_pace_counts_audio_made_after_the_first_chunk_and_ready_windows():
     r = _req("r", 0, playing_since=10.0, audio_s=0.25)  # the first chunk: made before playback started
-    r.windows_done = 3
+    r.codec.windows_done = 3
     assert r.pace(10.4) is None  # too early to tell
-    r.record_chunk(10.5, 0.5)
-    r.ready_windows = 3  # 3 more windows of 0.25 s each (0.75 s over 3 windows so far)
+    r.playback.record_chunk(10.5, 0.5)
+    r.codec.ready_windows = 3  # 3 more windows of 0.25 s each (0.75 s over 3 windows so far)
     assert r.pace(11.0) == pytest.approx((0.5 + 3 * 0.25) / 1.0)
     assert _req("new", 1).pace(11.0) is None

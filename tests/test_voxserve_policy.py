@@ -1,30 +1,31 @@
 """VoxServe's own online policy (the ablation baseline) on a fake clock: its rules, and its faults."""
 from voxbackend.config import EngineConfig
-from voxbackend.engine.scheduler import Scheduler, make_scheduler
-from voxbackend.engine.voxserve_policy import PREFILL_BATCH, VoxServeScheduler, _proportional
+from voxbackend.engine.policies import make_policy
+from voxbackend.engine.policies.online import OnlinePolicy
+from voxbackend.engine.policies.voxserve import PREFILL_BATCH, VoxServePolicy, _proportional
 from voxbackend.request import Request
 from voxbackend.sampling_params import SamplingParams
 
 
 def _req(rid: str, arrival: float, *, playing_since=None, audio_s=0.0, prompt=4, cached=4, streaming=True):
     r = Request(rid, list(range(prompt)), SamplingParams(seed=1), lambda e: None, arrival, streaming=streaming)
-    r.num_cached = cached
-    r.output_ids = [1] if cached >= prompt else []  # decoding: one step sampled, its input not cached yet
-    r.input_rows = list(r.output_ids)  # the positions after the prompt: that step's input
+    r.lm.num_cached = cached
+    r.lm.output_ids = [1] if cached >= prompt else []  # decoding: one step sampled, its input not cached yet
+    r.lm.input_rows = list(r.lm.output_ids)  # the positions after the prompt: that step's input
     if playing_since is not None:
-        r.record_chunk(playing_since, audio_s)  # all its audio so far, as one chunk
-        r.last_chunk_s = 0.1
+        r.playback.record_chunk(playing_since, audio_s)  # all its audio so far, as one chunk
+        r.playback.last_chunk_s = 0.1
     return r
 
 
-def _sched(**kw) -> VoxServeScheduler:
-    s = make_scheduler(EngineConfig(policy="voxserve", **kw))
-    assert isinstance(s, VoxServeScheduler)
+def _sched(**kw) -> VoxServePolicy:
+    s = make_policy(EngineConfig(policy="voxserve", **kw))
+    assert isinstance(s, VoxServePolicy)
     return s
 
 
-def test_other_policies_get_the_plain_scheduler():
-    assert type(make_scheduler(EngineConfig(policy="online"))) is Scheduler
+def test_other_policies_get_their_own_class():
+    assert type(make_policy(EngineConfig(policy="online"))) is OnlinePolicy
 
 
 def test_one_whole_prefill_per_step_and_the_batch_capped_while_it_runs():
@@ -52,7 +53,7 @@ def test_detokenizer_waits_for_a_pressing_window_so_a_lone_batch_job_never_decod
     job = _req("job", 0, streaming=False)
     sched = _sched(max_batch=4)
     assert sched.schedule_detok([(job, 3)], lm_requests=False, now=now, stateful=False) == []  # ours decodes it
-    online = Scheduler(EngineConfig(policy="online", detok_batch=4))
+    online = make_policy(EngineConfig(policy="online", detok_batch=4))
     assert [(r.id, n) for r, n in online.schedule_detok([(job, 3)], False, now, False)] == [("job", 3)]
     # a pressing stream lets the batch job piggyback on the leftover budget
     new = _req("new", 1)
@@ -80,6 +81,6 @@ def test_voxserve_counts_a_stall_against_the_stream_for_good():
     """VoxServe's playback clock is the first chunk's send time plus all audio sent: a stream that stalled stays
     behind it and pressing; our player model resumes after a stall (Request.buffer_s)."""
     r = _req("r", 0, playing_since=90.0, audio_s=5.0)  # ran dry at 95 s
-    r.record_chunk(100.0, 3.0)  # 3 s arrive at 100 s: 3 s queued for our player, 2 s behind VoxServe's clock
-    assert r.buffer_s(100.0) == 3.0 and not r.pressing(100.0, 0.0)
+    r.playback.record_chunk(100.0, 3.0)  # 3 s arrive at 100 s: 3 s queued for our player, 2 s behind VoxServe's clock
+    assert r.playback.buffer_s(100.0) == 3.0 and not r.pressing(100.0, 0.0)
     assert _sched(playback_margin_s=0.0)._pressing(r, 100.0)

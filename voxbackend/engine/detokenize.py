@@ -33,12 +33,12 @@ class Detokenizer:
         self.per_frame = model.spec.codes_per_frame
 
     def frames(self, r: Request) -> int:
-        return len(r.codes) // self.per_frame
+        return len(r.codec.codes) // self.per_frame
 
     def ready(self, r: Request) -> int:
         if self.spec.scheduled_by_model:
-            return self.model.windows_ready(r.codec_state, r.codes, r.lm_done)
-        return window_count(self.spec, self.frames(r), r.lm_done) - r.windows_done
+            return self.model.windows_ready(r.codec.state, r.codec.codes, r.lm_done)
+        return window_count(self.spec, self.frames(r), r.lm_done) - r.codec.windows_done
 
     def finished(self, r: Request) -> bool:
         return r.lm_done and self.ready(r) == 0
@@ -51,25 +51,25 @@ class Detokenizer:
         for r, n in plan:
             n_frames = self.frames(r)
             if self.spec.scheduled_by_model:  # the state knows its windows; it gets every frame so far
-                frames = np.asarray(r.codes[: n_frames * pf]).reshape(-1, pf)
-                for k in range(r.windows_done, r.windows_done + n):
-                    jobs.append(WindowJob(r.id, k, frames, window_seed(r.sampling.seed, k), False, r.codec_state))
+                frames = np.asarray(r.codec.codes[: n_frames * pf]).reshape(-1, pf)
+                for k in range(r.codec.windows_done, r.codec.windows_done + n):
+                    jobs.append(WindowJob(r.id, k, frames, window_seed(r.sampling.seed, k), False, r.codec.state))
                     owners.append(r)
                 continue
             total = window_count(self.spec, n_frames, r.lm_done)
-            for k in range(r.windows_done, r.windows_done + n):
+            for k in range(r.codec.windows_done, r.codec.windows_done + n):
                 start, end = window_bounds(self.spec, k, n_frames)  # only the window's codes become an array
-                frames = np.asarray(r.codes[start * pf : end * pf]).reshape(-1, pf)
+                frames = np.asarray(r.codec.codes[start * pf : end * pf]).reshape(-1, pf)
                 jobs.append(WindowJob(r.id, k, frames, window_seed(r.sampling.seed, k), k == total - 1,
-                                      r.codec_state))
+                                      r.codec.state))
                 owners.append(r)
         audio = self.model.detokenize(jobs)
         chunks: dict[str, list[np.ndarray]] = {}
         for r, job, wav in zip(owners, jobs, audio):
             chunks.setdefault(r.id, []).append(wav)
-            r.codec_state = job.state
+            r.codec.state = job.state
         out = []
         for r, n in plan:
-            r.windows_done += n
+            r.codec.windows_done += n
             out.append((r, np.concatenate(chunks[r.id]).astype(np.float32, copy=False)))
         return out

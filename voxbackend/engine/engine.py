@@ -1,8 +1,6 @@
-"""The engine loop: admit, schedule, LM step, sample, detokenize, emit. One thread per engine.
-
-Callers on other threads only touch the inbox (submissions, cancellations and appended text) under a lock;
-everything else is owned by the engine thread. Events go out through each request's `on_event` callback, which
-must not block.
+"""The engine: its lifecycle, its loop (drain the inbox, admit, schedule, LM step, detokenize, emit) and the public
+API. One thread per engine; callers on other threads only touch the inbox (engine/inbox.py). Events go out
+through each request's `on_event` callback (engine/output.py), which must not block.
 """
 from __future__ import annotations
 
@@ -19,14 +17,18 @@ import numpy as np
 import torch
 
 from voxbackend.config import EngineConfig
+from voxbackend.engine.admission import Admission
 from voxbackend.engine.detokenize import Detokenizer
+from voxbackend.engine.inbox import Inbox
 from voxbackend.engine.kv_pool import KVPool
 from voxbackend.engine.model_runner import ModelRunner
-from voxbackend.engine.scheduler import make_scheduler, preemption_victim
-from voxbackend.errors import EngineDead, EngineOverloaded, InvalidRequest
+from voxbackend.engine.output import Output
+from voxbackend.engine.policies import make_policy
+from voxbackend.engine.validation import RequestValidator
+from voxbackend.errors import EngineDead, InvalidRequest
 from voxbackend.events import Event, EventKind
-from voxbackend.models.base import FEATURE, Prompt, SpeechModel, as_prompt
-from voxbackend.request import Request
+from voxbackend.models.base import Prompt, SpeechModel
+from voxbackend.request import LMState, Request
 from voxbackend.sampling_params import SamplingParams
 
 log = logging.getLogger("voxbackend.engine")
@@ -42,38 +44,37 @@ class EngineStats:
     preemptions: int  # since the engine started: requests whose KV pages were taken back mid-generation
 
 
-def _feature_mask(prompt: np.ndarray) -> np.ndarray:
-    """Which positions of a prompt (ids [L] or rows [L, columns]) are FEATURE rows."""
-    return (prompt if prompt.ndim == 1 else prompt[:, 0]) == FEATURE
-
-
 class Engine:
     def __init__(self, model: SpeechModel, config: EngineConfig, clock: Callable[[], float] = time.monotonic):
         self.model = model
         self.config = config
         self.clock = clock
-        self.device = config.device
         self.pool = KVPool(model.spec.geometry, config.kv_pages, config.page_size, config.device, config.torch_dtype)
         self.runner = ModelRunner(model, config, self.pool)
-        self.scheduler = make_scheduler(config)
+        self.validator = RequestValidator(model, config, self.pool)
+        self.scheduler = make_policy(config)
         self.detokenizer = Detokenizer(model) if model.spec.window else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # holds pages (LM), preempted, or LM finished and still detokenizing
-        self._inbox: list[Request] = []
-        self._cancels: set[str] = set()
-        self._appends: list[tuple[str, list[int], bool]] = []
-        self._open_text: set[str] = set()  # requests whose text is still open (append_text takes more)
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self.admission = Admission(self.pool, self.scheduler, model, config, self.waiting, self.running)
+        self.inbox = Inbox(self.waiting, config.max_queue)
+        self.output = Output(model, config, clock, self.runner, self.admission, self.detokenizer, self.inbox,
+                             self.running)
         self._thread: threading.Thread | None = None
         self._stop = False
         self._ids = itertools.count()
         self._failures = 0
-        self.preemptions = 0
-        spec = model.spec
-        self.max_tokens_limit = config.max_tokens_limit or spec.max_tokens or spec.geometry.max_context
         self.alive = True
         self.dead_reason: str | None = None
+
+    @property
+    def max_tokens_limit(self) -> int:
+        """The largest max_tokens a request may ask (EngineConfig.max_tokens_limit, or the model's maximum)."""
+        return self.validator.max_tokens_limit
+
+    @property
+    def preemptions(self) -> int:
+        return self.admission.preemptions
 
     @property
     def attention(self):
@@ -95,44 +96,17 @@ class Engine:
         with text_streaming): the prompt holds the first piece of the text; more comes through append_text."""
         if not self.alive:
             raise EngineDead(f"engine stopped after a failure: {self.dead_reason}")
-        if text_open and not self.model.text_streaming:
-            raise InvalidRequest(f"{self.model.spec.name} does not take text in pieces (text_open)", field="text")
-        prepared = as_prompt(prompt)
-        params = prepared.limit((sampling or self.model.default_sampling()).validated())
-        conditioning = self.model.check_conditioning(prepared.conditioning)
-        prompt, track = self._check_prompt(prepared.ids, text_open)
-        feature_positions, features = self._check_features(prompt, conditioning)
-        if params.max_tokens > self.max_tokens_limit:  # refused, not clamped: the client asked for more
-            raise InvalidRequest(
-                f"max_tokens is {params.max_tokens}; this server allows at most {self.max_tokens_limit} for "
-                f"{self.model.spec.name}", field="max_tokens"
-            )
-        max_context = self.model.spec.geometry.max_context
-        if len(prompt) + params.max_tokens > max_context:
-            params.max_tokens = max_context - len(prompt)  # generation ends at the context ("length")
-        needed = self.pool.pages_for(len(prompt) + params.max_tokens)
-        if needed > self.pool.num_pages:  # it could never run, even alone in the pool
-            raise InvalidRequest(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {needed} KV pages; "
-                f"the pool has {self.pool.num_pages}", field="max_tokens"
-            )
+        checked = self.validator.check(prompt, sampling, text_open)
         rid = request_id or f"req-{next(self._ids)}"
-        req = Request(rid, prompt, params, on_event or (lambda e: None), self.clock(), streaming=streaming,
-                      track=track, conditioning=conditioning, awaiting_input=self.model.waits_for_input(track),
-                      feature_positions=feature_positions, features=features)
-        with self._lock:
-            if len(self.waiting) + len(self._inbox) >= self.config.max_queue:
-                raise EngineOverloaded(f"overloaded: {self.config.max_queue} requests already queued; retry later")
-            self._inbox.append(req)
-            if text_open:
-                self._open_text.add(rid)
-        self._wake.set()
+        req = Request(rid, checked.prompt_ids, checked.sampling, on_event or (lambda e: None), self.clock(),
+                      streaming=streaming, conditioning=checked.conditioning,
+                      feature_positions=checked.feature_positions, features=checked.features,
+                      lm=LMState(track=checked.track, awaiting_input=self.model.waits_for_input(checked.track)))
+        self.inbox.submit(req, text_open)
         return rid
 
     def cancel(self, request_id: str) -> None:
-        with self._lock:
-            self._cancels.add(request_id)
-        self._wake.set()
+        self.inbox.cancel(request_id)
 
     def append_text(self, request_id: str, ids: list[int], final: bool) -> None:
         """More dual-track text ids (SpeechModel.text_piece_ids) for a request submitted with text_open;
@@ -142,18 +116,10 @@ class Engine:
         ignores it: its final event is already out. Ids its model refuses on the engine thread end the request
         with an ERROR event."""
         ids = self.model.check_track_ids(ids)  # refused here for a model without text streaming
-        with self._lock:
-            if request_id not in self._open_text:
-                raise InvalidRequest(f"request {request_id!r} is unknown, finished or its text is already closed",
-                                     field="text")
-            if final:
-                self._open_text.discard(request_id)
-            self._appends.append((request_id, list(ids), final))
-        self._wake.set()
+        self.inbox.append_text(request_id, ids, final)
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            queued = len(self.waiting) + len(self._inbox)
+        queued = self.inbox.queued()
         return EngineStats(len(self.running), queued, self.pool.used_pages, self.pool.num_pages, self.preemptions)
 
     def start(self) -> "Engine":
@@ -164,7 +130,7 @@ class Engine:
 
     def shutdown(self) -> None:
         self._stop = True
-        self._wake.set()
+        self.inbox.wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
@@ -228,8 +194,8 @@ class Engine:
         while not self._stop:
             worked = self.step()
             if not worked:
-                self._wake.wait(timeout=0.05)
-                self._wake.clear()
+                self.inbox.wake.wait(timeout=0.05)
+                self.inbox.wake.clear()
 
     def step(self) -> bool:
         """One iteration; returns whether there was work. Never raises: failures become error events."""
@@ -239,11 +205,11 @@ class Engine:
         now = self.clock()
         if self.detokenizer is not None:
             for r in self.running:
-                r.ready_windows = self.detokenizer.ready(r)
-        self._admit(now)
+                r.codec.ready_windows = self.detokenizer.ready(r)
+        self.admission.admit(now)
         lm = self.scheduler.schedule_lm(self.running, now)
         try:
-            lm = self._grow_pages(lm, now)
+            lm = self.admission.grow(lm, now)
             if lm:
                 self._run_lm(lm)
             detok = self._schedule_detok(now, lm_requests=sum(1 for r in self.running if r.on_lm))
@@ -255,66 +221,14 @@ class Engine:
             self._failures += 1
             involved = {r.id for r, _ in lm} | {r.id for r in self.running if r.lm_done}
             for r in [r for r in self.running if r.id in involved]:
-                self._finish(r, error=f"engine step failed: {exc}")
+                self.output.finish(r, error=f"engine step failed: {exc}")
             if self._failures >= MAX_CONSECUTIVE_FAILURES:
                 self._die(f"{MAX_CONSECUTIVE_FAILURES} engine steps failed in a row; last: {exc}")
             return True
-        return bool(lm or detok or self.waiting or any(r.preempted for r in self.running))
-
-    def _check_prompt(self, prompt_ids, text_open: bool = False) -> tuple[list[int] | list[list[int]], object]:
-        """Ids [L] for one-column models, rows [L, token_columns] (-1 = no entry) for multi-column ones; the
-        model splits off its input track (split_prompt) before the positions are checked."""
-        spec = self.model.spec
-        columns = spec.token_columns
-        try:
-            prompt = np.asarray(prompt_ids, dtype=np.int64)
-        except (TypeError, ValueError, OverflowError):
-            prompt = None
-        want = "a list of integers" if columns == 1 else f"rows of {columns} integers"
-        if prompt is None or prompt.ndim != (1 if columns == 1 else 2) or columns > 1 and prompt.shape[1] != columns:
-            raise InvalidRequest(f"prompt_ids must be {want}")
-        rows, track = self.model.split_prompt(prompt.tolist(), text_open)
-        prompt = np.asarray(rows, dtype=np.int64).reshape((-1,) if columns == 1 else (-1, columns))
-        if not len(prompt):
-            raise InvalidRequest("prompt is empty")
-        ids = prompt.copy()  # the ids to range-check: FEATURE rows have none in column 0
-        if columns == 1:
-            ids[_feature_mask(prompt)] = 0
-        else:
-            ids[_feature_mask(prompt), 0] = -1
-        if columns == 1:
-            vocab = spec.geometry.vocab_size
-            if ids.min() < 0 or ids.max() >= vocab:
-                raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
-        else:
-            vocab = np.asarray(spec.column_vocab or [spec.geometry.vocab_size] * columns)
-            if (ids < -1).any() or (ids >= vocab[None, :]).any():
-                raise InvalidRequest(f"prompt ids of column j must be -1 (absent) or in [0, {list(vocab)}[j])")
-        if len(prompt) >= spec.geometry.max_context:
-            raise InvalidRequest(
-                f"prompt is {len(prompt)} positions; the model's context is {spec.geometry.max_context}"
-            )
-        return prompt.tolist(), track
-
-    def _check_features(self, prompt: list, conditioning: dict) -> tuple[list[int], torch.Tensor | None]:
-        """The FEATURE rows of a checked prompt and their vectors from the model, one per row, on the device."""
-        positions = np.flatnonzero(_feature_mask(np.asarray(prompt))).tolist()
-        features = self.model.prompt_features(conditioning)
-        count = 0 if features is None else len(features)
-        if count != len(positions):
-            raise InvalidRequest(f"the prompt has {len(positions)} feature rows; the request's conditioning gives "
-                                 f"{count} feature vectors", field="prompt_ids")
-        if features is None:
-            return [], None
-        vectors = torch.as_tensor(np.asarray(features, dtype=np.float32), device=self.device)
-        return positions, vectors.to(self.config.torch_dtype)
+        return bool(lm or detok or self.waiting or any(r.lm.preempted for r in self.running))
 
     def _drain_inbox(self) -> None:
-        with self._lock:
-            self.waiting.extend(self._inbox)
-            self._inbox.clear()
-            cancels, self._cancels = self._cancels, set()
-            appends, self._appends = self._appends, []
+        cancels, appends = self.inbox.drain()
         if appends:
             live = {r.id: r for r in itertools.chain(self.waiting, self.running)}
             for rid, ids, final in appends:
@@ -322,121 +236,25 @@ class Engine:
                 if r is None or r.lm_done:  # finished while the append was in the inbox
                     continue
                 try:
-                    self.model.extend_track(r.track, ids, final)
+                    self.model.extend_track(r.lm.track, ids, final)
                 except InvalidRequest as exc:  # what append_text could not tell synchronously: this request ends
                     if r in self.waiting:
                         self.waiting.remove(r)
-                    self._finish(r, error=str(exc))
+                    self.output.finish(r, error=str(exc))
                     continue
-                if r.awaiting_input:
-                    self._feed(r)
+                if r.lm.awaiting_input:
+                    self.output.feed(r)
         if not cancels:
             return
         for r in [r for r in self.waiting if r.id in cancels]:
             self.waiting.remove(r)
-            with self._lock:
-                self._open_text.discard(r.id)
-            self._emit_final(r, "cancelled")
+            self.inbox.close_text(r.id)
+            self.output.emit_final(r, "cancelled")
         for r in [r for r in self.running if r.id in cancels]:
-            self._finish(r, reason="cancelled")
-
-    # ---------------------------------------------------------------- KV pages: admission, growth, preemption
-    def _admit(self, now: float) -> None:
-        """Give KV pages to waiting and preempted requests in the scheduler's order, until one does not fit (it
-        and those behind it wait: a large request is not overtaken forever by small ones).
-
-        A new request needs the pages of its first prefill chunk; a preempted one the pages of its whole
-        sequence, since it must recompute all of it before it can sample again (a half-recomputed prefix taken
-        back would be wasted work). On top, one free page per request already on the LM: each grows by about a
-        page per page_size steps, so a newcomer is not let into a pool that must preempt at the very next step.
-        """
-        queued = [r for r in self.running if r.preempted] + list(self.waiting)
-        for r in self.scheduler.admission_order(queued, now):
-            first = r.num_positions if r.preempted else min(len(r.prompt_ids), self.config.prefill_budget)
-            need = self.pool.pages_for(first)
-            if need + self._headroom() > self.pool.free_pages and not self._make_room(r, need, now):
-                return
-            r.pages = self.pool.allocate(r.id, first)
-            if r.preempted:
-                r.preempted = False
-            else:
-                self.waiting.remove(r)
-                r.codec_state = self.model.new_codec_state(r.conditioning)
-                self.running.append(r)
-
-    def _headroom(self) -> int:
-        return sum(1 for r in self.running if r.on_lm)
-
-    def _make_room(self, r: Request, need: int, now: float) -> bool:
-        """A stream whose listener waits (a new one, or a preempted one that ran dry) may take the pages of
-        requests that can afford a pause: batch jobs and streams with more buffered audio than the pressing
-        threshold. All or nothing: nobody is preempted if that would still not make room."""
-        if self.config.policy != "online" or not r.streaming or not self.scheduler.pressing(r, now):
-            return False
-        victims = [v for v in self.running if v.on_lm and not self.scheduler.pressing(v, now)]
-        # each victim frees its pages and lowers the headroom by one
-        if self.pool.free_pages + sum(len(v.pages) + 1 for v in victims) < need + self._headroom():
-            return False
-        while need + self._headroom() > self.pool.free_pages:
-            victim = preemption_victim(victims, now)
-            victims.remove(victim)
-            self._preempt(victim)
-        return True
-
-    def _grow_pages(self, plan: list[tuple[Request, int]], now: float) -> list[tuple[Request, int]]:
-        """Before the LM step, each planned request gets the pages for the positions it writes, in plan order
-        (the most pressing first). When the pool is dry, the request that can best afford a pause among all on
-        the LM (possibly the one asking) is preempted. Returns the plan without the preempted."""
-        for r, n in plan:
-            need = self.pool.missing(r.id, r.num_cached + n)  # most steps need none
-            while not r.preempted and need > self.pool.free_pages:
-                self._preempt(preemption_victim([x for x in self.running if x.on_lm], now))
-            if need and not r.preempted:
-                r.pages = self.pool.allocate(r.id, r.num_cached + n)
-        return [(r, n) for r, n in plan if not r.preempted]
-
-    def _preempt(self, r: Request) -> None:
-        """Take a request's pages back. It keeps its tokens, codes and codec state (ready windows still decode);
-        on resume it recomputes prompt + generated steps, so its output is the same (sampling counters follow
-        len(output_ids), not time)."""
-        self.pool.release(r.id)
-        r.pages = []
-        r.num_cached = 0
-        r.preempted = True
-        r.preemptions += 1
-        r.skipped_steps = 0
-        self.preemptions += 1
-        log.info("preempted %s at %d positions (KV pool full)", r.id, r.num_positions)
+            self.output.finish(r, reason="cancelled")
 
     def _run_lm(self, plan: list[tuple[Request, int]]) -> None:
-        for r, step in self.runner.run(plan):  # the step's one host transfer is behind us
-            r.output_ids.append(step)
-            r.codes.extend(self.model.codes_from_step(step, len(r.codes)))
-            if self.model.ends(step, r.track):
-                self._lm_finished(r, "stop")
-            elif len(r.output_ids) >= r.sampling.max_tokens:
-                self._lm_finished(r, "length")
-            else:
-                r.awaiting_input = True
-                self._feed(r)
-
-    def _feed(self, r: Request) -> None:
-        """The positions after the last sampled step, from the model (the step itself, the step plus the next text
-        id, or several); a track still waiting for text leaves the request off the LM until append_text."""
-        rows = self.model.next_inputs(r.output_ids[-1] if r.output_ids else None, r.track)
-        if rows is not None:
-            r.input_rows.extend(rows)
-            r.awaiting_input = False
-
-    def _lm_finished(self, r: Request, reason: str) -> None:
-        r.finish_reason = reason
-        with self._lock:  # text appended from now on is refused: the utterance has ended
-            self._open_text.discard(r.id)
-        self.pool.release(r.id)  # pages go back now, not after detokenization
-        r.pages = []
-        self.runner.release(r)
-        if self.detokenizer is None or self.detokenizer.finished(r):
-            self._finish(r, reason=reason)
+        self.output.lm_steps(self.runner.run(plan))  # run() ends with the step's one host transfer
 
     def _schedule_detok(self, now: float, lm_requests: int) -> list[tuple[Request, int]]:
         if self.detokenizer is None:
@@ -446,55 +264,12 @@ class Engine:
 
     @torch.inference_mode()
     def _run_detok(self, plan: list[tuple[Request, int]]) -> None:
-        hold = self.config.first_chunk_s * self.model.spec.sample_rate
-        for r, audio in self.detokenizer.run(plan):
-            done = self.detokenizer.finished(r)
-            if r.first_chunk_at is None:
-                # The first chunk waits until it covers first_chunk_s (or the stream ends): a listener that
-                # starts on a thin buffer stalls at the next scheduling hiccup.
-                r.held_audio.append(audio)
-                if sum(len(a) for a in r.held_audio) < hold and not done:
-                    continue
-                audio, r.held_audio = np.concatenate(r.held_audio), []
-            self._send_audio(r, audio)
-            if done:
-                self._finish(r, reason=r.finish_reason)
-
-    def _send_audio(self, r: Request, audio: np.ndarray) -> None:
-        r.record_chunk(self.clock(), len(audio) / self.model.spec.sample_rate)
-        self._deliver(r, Event(r.id, EventKind.AUDIO, index=r.chunks_sent, audio=audio))
-        r.chunks_sent += 1
-
-    def _finish(self, r: Request, reason: str | None = None, error: str | None = None) -> None:
-        with self._lock:
-            self._open_text.discard(r.id)
-        self.pool.release(r.id)
-        r.pages = []
-        self.runner.release(r)
-        if r in self.running:
-            self.running.remove(r)
-        if error is not None:
-            self._deliver(r, Event(r.id, EventKind.ERROR, index=r.chunks_sent, error=error))
-        else:
-            self._emit_final(r, reason or "stop")
-
-    def _emit_final(self, r: Request, reason: str) -> None:
-        self._deliver(
-            r, Event(r.id, EventKind.FINISHED, index=r.chunks_sent, finish_reason=reason, token_ids=list(r.output_ids))
-        )
-
-    def _deliver(self, r: Request, event: Event) -> None:
-        try:
-            r.on_event(event)
-        except Exception:  # noqa: BLE001 - a broken consumer must not stop the engine
-            log.exception("on_event callback failed for %s", r.id)
+        self.output.audio(self.detokenizer.run(plan))
 
     def _die(self, reason: str) -> None:
         self.alive = False
         self.dead_reason = reason
-        with self._lock:
-            self.waiting.extend(self._inbox)
-            self._inbox.clear()
+        self.inbox.flush()
         for r in list(self.running) + list(self.waiting):
-            self._finish(r, error=f"engine stopped: {reason}")
+            self.output.finish(r, error=f"engine stopped: {reason}")
         self.waiting.clear()

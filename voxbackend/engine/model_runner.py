@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -13,8 +12,9 @@ from voxbackend.attention.base import SeqSlice
 from voxbackend.attention.torch_backend import TorchPagedAttention
 from voxbackend.config import EngineConfig
 from voxbackend.engine.kv_pool import KVPool
+from voxbackend.engine.penalties import PenaltyRows, PenaltyTable
 from voxbackend.ints import long_tensor
-from voxbackend.models.base import ModelSpec, PromptFeatures, SpeechModel
+from voxbackend.models.base import PromptFeatures, SpeechModel
 from voxbackend.request import Request
 from voxbackend.sampling import SamplingBatch, mask_ids, sample
 
@@ -41,24 +41,24 @@ class ModelRunner:
         feature_rows: list[int] = []
         feature_vectors: list[torch.Tensor] = []
         for r, n in plan:
-            start = r.num_cached
+            start = r.lm.num_cached
             if n == 1:  # a decode (most rows of most steps): the last step's input
                 ids.append(r.position(start))
                 positions.append(start)
             else:  # a prompt chunk or a resumed prefix
                 ids.extend(r.positions(start, start + n))
                 positions.extend(range(start, start + n))
-            seqs.append(SeqSlice(len(ids) - n, n, start, r.pages))
+            seqs.append(SeqSlice(len(ids) - n, n, start, r.lm.pages))
             if r.feature_positions:  # the FEATURE rows in this chunk (a recomputed prefix has them all again)
                 at = r.feature_positions
                 lo, hi = bisect.bisect_left(at, start), bisect.bisect_left(at, start + n)
                 if hi > lo:
                     feature_rows.extend(len(ids) - n + p - start for p in at[lo:hi])
                     feature_vectors.append(r.features[lo:hi])
-            r.num_cached += n
+            r.lm.num_cached += n
             # this chunk ends the sequence so far (or it is a decode) and the last step's input is in it: a
             # token comes out (a resumed request that waits for text has sampled from that position already)
-            if not r.uncached and not r.awaiting_input:
+            if not r.uncached and not r.lm.awaiting_input:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(r)
         self.attention.plan(seqs)
@@ -73,12 +73,12 @@ class ModelRunner:
             return []
         # a pure decode step samples every row: no gather
         rows = hidden if len(sample_rows) == len(hidden) else hidden[long_tensor(sample_rows, dev)]
-        logits, token_ids = self.model.candidate_logits(rows, [len(r.codes) for r in sampled])
-        early = [len(r.output_ids) < r.sampling.min_tokens for r in sampled]
+        logits, token_ids = self.model.candidate_logits(rows, [len(r.codec.codes) for r in sampled])
+        early = [len(r.lm.output_ids) < r.sampling.min_tokens for r in sampled]
         if any(early) and self.model.spec.stop_ids:  # no stop before min_tokens
             logits = mask_ids(logits, token_ids, torch.tensor(self.model.spec.stop_ids, device=dev),
                               torch.tensor(early, device=dev))
-        logits = self.model.constrain_logits(logits, token_ids, [r.track for r in sampled])
+        logits = self.model.constrain_logits(logits, token_ids, [r.lm.track for r in sampled])
         kept = self.penalties.rows(sampled) if any(r.sampling.repetition_penalty != 1.0 for r in sampled) else None
         batch = self._sampling_batch(sampled, kept)
         steps = sample(logits, batch, token_ids)
@@ -101,7 +101,7 @@ class ModelRunner:
         ras = any(r.sampling.ras_window > 0 for r in sampled)
         return SamplingBatch.build(
             [r.sampling for r in sampled],
-            [len(r.output_ids) * columns for r in sampled],
+            [len(r.lm.output_ids) * columns for r in sampled],
             self.penalties.history(kept, 0),
             self._column_vocab(0),
             self.device,
@@ -110,7 +110,7 @@ class ModelRunner:
 
     def _recent(self, r: Request) -> list[int]:
         """What repetition-aware sampling looks at: the last generated ids (column 0)."""
-        tail = r.output_ids[-r.sampling.ras_window:] if r.sampling.ras_window else []
+        tail = r.lm.output_ids[-r.sampling.ras_window:] if r.sampling.ras_window else []
         return tail if self.model.spec.token_columns == 1 else [row[0] for row in tail]
 
     def _column_batch(self, batch: SamplingBatch, kept: PenaltyRows | None, column: int) -> SamplingBatch:
@@ -120,81 +120,6 @@ class ModelRunner:
     def _column_vocab(self, column: int) -> int:
         spec = self.model.spec
         return spec.column_vocab[column] if spec.column_vocab else spec.geometry.vocab_size
-
-
-@dataclass
-class PenaltyRows:
-    """A step's requests in the penalty table: their slots and the longest history among them."""
-
-    slots: torch.Tensor  # [B] long, on the device
-    ends: torch.Tensor  # [B] long: each one's entries so far, where this step's goes
-    width: int
-
-
-class PenaltyTable:
-    """What the repetition penalty looks at, kept on the device: a request that samples with a penalty owns a
-    slot, a row of a [slots, token_columns, width] table of ids (-1 past its end; the penalty skips negative
-    ids), holding its prompt (if the spec penalizes prompts) and then every generated step, appended in place
-    right after it is sampled. A step's history is one gather, where host arrays of every request were padded
-    and copied over at every step before (32 requests: 0.6 ms of a CPU step)."""
-
-    def __init__(self, spec: ModelSpec, device):
-        self.spec = spec
-        self.table = torch.full((0, spec.token_columns, 0), -1, dtype=torch.long, device=device)
-        self.free: list[int] = []
-
-    def rows(self, requests: list[Request]) -> PenaltyRows:
-        """Slots for these requests, each holding all its entries so far (a new slot, or a request that sampled
-        without a penalty for a while, is written from the host), with room for this step's."""
-        lengths = [self._prefix(r) + len(r.output_ids) for r in requests]
-        width = max(lengths)
-        self._grow(sum(1 for r in requests if r.penalty_slot is None), width + 1)
-        for r, n in zip(requests, lengths):
-            if r.penalty_slot is None:
-                r.penalty_slot, r.penalty_len = self.free.pop(), 0
-                self.table[r.penalty_slot].fill_(-1)  # what a request before it left there
-            if r.penalty_len < n:
-                self._write(r, n)
-        slots, ends = long_tensor([[r.penalty_slot for r in requests], lengths], self.table.device)
-        return PenaltyRows(slots, ends, max(1, width))
-
-    def history(self, kept: PenaltyRows | None, column: int) -> torch.Tensor | None:
-        """[B, width] ids of `column` for these rows; None where the penalty does not look at that column."""
-        columns = self.spec.penalty_columns
-        if kept is None or columns is not None and column not in columns:
-            return None
-        return self.table[:, column, : kept.width].index_select(0, kept.slots)
-
-    def append(self, requests: list[Request], kept: PenaltyRows, steps: torch.Tensor) -> None:
-        """This step's sampled ids [B] (or rows [B, token_columns]), still on the device."""
-        self.table[kept.slots, :, kept.ends] = steps.view(len(requests), -1)
-        for r in requests:
-            r.penalty_len += 1
-
-    def release(self, r: Request) -> None:
-        if r.penalty_slot is not None:
-            self.free.append(r.penalty_slot)
-            r.penalty_slot = None
-
-    def _prefix(self, r: Request) -> int:
-        return len(r.prompt_ids) if self.spec.penalty_on_prompt else 0
-
-    def _write(self, r: Request, n: int) -> None:
-        start, prompt = r.penalty_len, (r.prompt_ids if self.spec.penalty_on_prompt else [])
-        entries = prompt[start:] + r.output_ids[max(0, start - len(prompt)) : n - len(prompt)]
-        self.table[r.penalty_slot, :, start:n] = long_tensor(entries, self.table.device).view(len(entries), -1).T
-        r.penalty_len = n
-
-    def _grow(self, new_slots: int, width: int) -> None:
-        slots, columns, have = self.table.shape
-        more = max(0, new_slots - len(self.free))
-        if not more and width <= have:
-            return
-        grown = torch.full((slots + max(more, slots, 8) if more else slots, columns, max(width, 2 * have)), -1,
-                           dtype=torch.long, device=self.table.device)
-        grown[:slots, :, :have] = self.table
-        self.free.extend(range(slots, len(grown)))
-        self.table = grown
 
 
 def make_attention(config: EngineConfig, model: SpeechModel, pool: KVPool):

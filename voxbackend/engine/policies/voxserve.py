@@ -19,28 +19,29 @@ our engine always hands a stateful codec one window per request per call, becaus
 """
 from __future__ import annotations
 
-from voxbackend.engine.scheduler import Scheduler
+from voxbackend.engine.policies.base import Plan, Policy
 from voxbackend.request import Request
 
 PREFILL_BATCH = 8  # VoxServe's prefill_graph_batch_size: the LM batch cap while a prefill is in the step
 
 
-class VoxServeScheduler(Scheduler):
+class VoxServePolicy(Policy):
     def _pressing(self, r: Request, now: float) -> bool:
         """VoxServe's rule: from the chunks sent alone (nothing sent yet, or buffer <= last chunk + margin), with
         its playback clock: the first chunk's send time plus all audio sent, a player that never pauses (ours
-        resumes after running dry: Request.buffer_s)."""
+        resumes after running dry: Playback.buffer_s)."""
+        p = r.playback
         if not r.streaming:
             return False
-        if r.first_chunk_at is None:
+        if p.first_chunk_at is None:
             return True
-        return r.audio_sent_s - (now - r.first_chunk_at) <= r.last_chunk_s + self.config.playback_margin_s
+        return p.audio_sent_s - (now - p.first_chunk_at) <= p.last_chunk_s + self.config.playback_margin_s
 
-    def schedule_lm(self, running: list[Request], now: float) -> list[tuple[Request, int]]:
+    def schedule_lm(self, running: list[Request], now: float) -> Plan:
         active = sorted((r for r in running if r.wants_lm), key=lambda r: r.arrival)
-        prefills = [r for r in active if r.uncached > 1 or r.num_cached == 0]  # a prompt, or a resumed prefix
+        prefills = [r for r in active if r.uncached > 1 or r.lm.num_cached == 0]  # a prompt, or a resumed prefix
         decodes = [r for r in active if r not in prefills]
-        plan: list[tuple[Request, int]] = []
+        plan: Plan = []
         cap = self.config.max_batch
         if prefills:
             plan.append((prefills[0], prefills[0].uncached))
@@ -53,11 +54,7 @@ class VoxServeScheduler(Scheduler):
             plan.append((r, 1))
         return plan
 
-    def schedule_detok(
-        self, ready: list[tuple[Request, int]], lm_requests: int, now: float, stateful: bool
-    ) -> list[tuple[Request, int]]:
-        if stateful:
-            ready = [(r, 1) for r, _ in ready]
+    def detok_plan(self, ready: Plan, lm_requests: int, now: float) -> Plan:
         ready = sorted(ready, key=lambda x: x[0].arrival)
         pressing = [(r, n) for r, n in ready if self._pressing(r, now)]
         if not pressing:
