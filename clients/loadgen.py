@@ -115,7 +115,7 @@ BYTES_PER_SAMPLE = {"pcm16": 2, "fp32": 4}
 
 def chunk_audio_seconds(result, audio_format: str = "pcm16") -> float:
     """Audio seconds in one response; 0 if none. Mono. AUDIO is either one BYTES element holding the
-    encoded chunk (the ensembles: little-endian int16 for pcm16, float32 for fp32) or a numeric array of
+    encoded chunk (the front models: little-endian int16 for pcm16, float32 for fp32) or a numeric array of
     samples (engine models)."""
     audio = result.as_numpy("AUDIO")
     if audio is None or audio.size == 0:

@@ -12,7 +12,7 @@ Triton sequence on one gRPC stream, and TTFA is measured from the first piece se
     my_llm | python -m clients.tts_stream --model qwen3_tts_text_stream --stdin --out reply.wav  # a line = a piece
 
 Prints time to first audio (TTFA), chunks, stalls and on-time chunks (docs/metrics.md), audio seconds and
-"x real time" (audio seconds / wall seconds, higher is better). Works with the `orpheus` ensemble (AUDIO is
+"x real time" (audio seconds / wall seconds, higher is better). Works with the `orpheus` model (AUDIO is
 encoded bytes, PCM16 or float32) and with `orpheus_engine` directly (AUDIO is float32 samples).
 """
 from __future__ import annotations
@@ -105,11 +105,11 @@ def make_inputs(text: str | bytes | None, voice: str | None = None, audio_format
 
 
 def response_audio(result, audio_format: str) -> np.ndarray:
-    """One response's AUDIO as float32: encoded bytes from the ensemble, float samples from an engine."""
+    """One response's AUDIO as float32: encoded bytes from a front model, float samples from an engine."""
     audio = result.as_numpy("AUDIO")
     if audio is None:
         return np.zeros(0, np.float32)
-    if audio.dtype == np.object_:  # ensemble: one element of raw little-endian bytes
+    if audio.dtype == np.object_:  # front model: one element of raw little-endian bytes
         data = bytes(audio.reshape(-1)[0]) if audio.size else b""
         if audio_format == "fp32":
             return np.frombuffer(data, dtype="<f4").astype(np.float32)
@@ -414,7 +414,7 @@ def sampling_fields(a: argparse.Namespace) -> dict[str, float | int | None]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address")
-    ap.add_argument("--model", default="orpheus", help="orpheus or csm (ensembles), or orpheus_engine / csm_engine")
+    ap.add_argument("--model", default="orpheus", help="orpheus, csm, qwen3_tts or cosyvoice2, or orpheus_engine / csm_engine")
     ap.add_argument("--text", default="Hello there, this is a streaming speech server.")
     ap.add_argument("--text-pieces", default=None,
                     help='the text in pieces, "piece1|piece2|..." (a <model>_text_stream model): one Triton sequence')
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference-audio", default=None,
                     help="cosyvoice2, qwen3_tts Base: a clip of the voice to clone, WAV/FLAC/OGG at any rate")
     ap.add_argument("--reference-text", default=None, help="the transcript of --reference-audio")
-    ap.add_argument("--format", default="pcm16", choices=("pcm16", "fp32"), help="AUDIO_FORMAT (ensemble)")
+    ap.add_argument("--format", default="pcm16", choices=("pcm16", "fp32"), help="AUDIO_FORMAT (front models)")
     ap.add_argument("--seed", type=int, help="sampling seed; default: the server draws one and returns it (printed)")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--out", default="out.wav", help="WAV file to write")

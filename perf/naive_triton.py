@@ -1,7 +1,7 @@
 """`orpheus_naive`: the naive Orpheus baseline (perf/naive_orpheus.py) as a decoupled Triton Python model.
 
-Same inputs and outputs as the `orpheus` ensemble (voxbackend.triton.schema: client_inputs with Orpheus'
-VOICE in, POSTPROCESS_OUTPUTS out, AUDIO as one BYTES element of PCM16 or float32 samples), so clients/loadgen,
+Same inputs and outputs as the `orpheus` model (voxbackend.triton.schema: client_inputs with Orpheus'
+VOICE in, CLIENT_OUTPUTS out, AUDIO as one BYTES element of PCM16 or float32 samples), so clients/loadgen,
 clients/tts_stream and perf_analyzer drive both the same way. It serves ONE request at a time, like the
 official implementation: execute() only queues; a single worker thread runs transformers generate + SNAC per
 window for the oldest request, sends its chunks, then takes the next. Queued requests wait: that is the
@@ -40,7 +40,7 @@ VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 
 # ----------------------------------------------------------------------------- config.pbtxt
 def render_config(params: dict[str, str] | None = None) -> str:
-    """config.pbtxt text: the ensemble's schema, decoupled, one CPU instance (one worker inside it)."""
+    """config.pbtxt text: the front model's schema, decoupled, one CPU instance (one worker inside it)."""
     from voxbackend.models.orpheus import OrpheusFrontend
     from voxbackend.triton import schema
 
@@ -58,7 +58,7 @@ def render_config(params: dict[str, str] | None = None) -> str:
             f'name: "{MODEL_NAME}"\nbackend: "python"\nmax_batch_size: 0\n'
             "model_transaction_policy { decoupled: true }\n"
             + block("input", schema.client_inputs(OrpheusFrontend.request_inputs))
-            + block("output", schema.POSTPROCESS_OUTPUTS)
+            + block("output", schema.CLIENT_OUTPUTS)
             + "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
             + "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in merged.items()))
 

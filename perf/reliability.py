@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
 import os
 import re
 import shutil
@@ -755,7 +754,7 @@ def probe_cancel_storm(suite: Suite) -> list[Result]:
     before = metric_total(suite.metrics_url, "voxbackend_requests_finished_total", reason="cancelled")
     jobs = []
     for i in range(16):
-        model = "orpheus" if i < 12 else "orpheus_engine"  # the ensemble's cancellation path and the direct one
+        model = "orpheus" if i < 12 else "orpheus_engine"  # the front model's cancellation path and the direct one
         inputs = long_inputs(i, model, 700) if i % 2 else short_inputs(i, "fp32" if model == "orpheus" else None)
         jobs.append(lambda inputs=inputs, i=i, model=model: stream_request(
             suite.url, model, inputs, "fp32", timeout=240, cancel_after_chunks=2 if i % 2 else None,
@@ -774,7 +773,7 @@ def probe_cancel_storm(suite: Suite) -> list[Result]:
     delta = metric_total(suite.metrics_url, "voxbackend_requests_finished_total", reason="cancelled") - before
     observed = (("; ".join(problems[:4]) if problems else "8 kept streams intact, 8 hung up after 2 chunks")
                 + f"; engine counted {delta:g} cancelled")
-    return [settled(suite, "cancel_storm", "16 concurrent streams (12 ensemble, 4 direct), every odd one cancelled "
+    return [settled(suite, "cancel_storm", "16 concurrent streams (12 through `orpheus`, 4 direct), every odd one cancelled "
                     "after 2 chunks: the others finish intact, the engine counts 8 cancellations, pages and active "
                     "streams back to 0", observed, not problems and counted, t0)]
 
@@ -792,7 +791,7 @@ def probe_kill_running(suite: Suite) -> list[Result]:
     freed, took = wait_until(lambda: suite.gauges().idle, 10, step=0.05)
     observed = (f"{len(procs)} client processes streaming ({g}); kill -9: "
                 + (f"pages and streams back to 0 after {took:.2f} s" if freed else f"not idle after {took:.0f} s"))
-    return [settled(suite, "kill_running", "kill -9 of 4 streaming client processes (3 ensemble, 1 direct): pages and "
+    return [settled(suite, "kill_running", "kill -9 of 4 streaming client processes (3 through `orpheus`, 1 direct): pages and "
                     "active streams back to 0 within 2 s", observed, up and freed and took <= 2.0, t0)]
 
 
@@ -886,7 +885,7 @@ def probe_kill_queued(suite: Suite) -> list[Result]:
             later, took_later = wait_until(lambda: suite.gauges().queued <= gone, 10, step=0.1)
     finally:
         pool.release()
-    observed = (f"{pool}; 5 client processes queued behind them (3 ensemble, 2 direct): queued gauge {before:g} "
+    observed = (f"{pool}; 5 client processes queued behind them (3 through `orpheus`, 2 direct): queued gauge {before:g} "
                 "before kill -9, "
                 + (f"{after:g} after {took:.2f} s" if freed else f"{after:g} 1 s after it"
                    + (f", {gone:g} after {took_later:.1f} s" if later else f", not {gone:g} within 10 s (until "
@@ -924,7 +923,7 @@ def probe_overload(suite: Suite) -> list[Result]:
                 f"{sum(clean)}/{len(extras)} extra requests got one overloaded error"
                 + ("" if first_bad is None else f" (e.g. {short(first_bad.error, 80) if first_bad.error else 'accepted'})")
                 + "; " + ("; ".join(broken[:3]) if broken else f"all {room} short queued requests finished intact"))
-    return [settled(suite, "overload", f"past max_queue={MAX_QUEUE}: each extra request (ensemble and direct) gets "
+    return [settled(suite, "overload", f"past max_queue={MAX_QUEUE}: each extra request (front and direct) gets "
                     "exactly one EngineOverloaded error; the queued ones finish intact once the pool frees up",
                     observed, full and all(clean) and not broken, t0, settle_s=40)]
 
@@ -1030,7 +1029,7 @@ def probe_engine_fault(suite: Suite) -> list[Result]:
     refused = [a.error is not None and "EngineDead" in a.error for a in after]
     ok = alive_before == 1 and dead and killer.error is not None and all(ended) and all(refused)
     observed = (f"engine_alive {alive_before:g} -> " + (f"0 after {took:.1f} s" if dead else "still 1")
-                + f"; {sum(ended)}/2 open streams (ensemble, direct) had audio then one final error"
+                + f"; {sum(ended)}/2 open streams (front, direct) had audio then one final error"
                 + (f" (e.g. {short(next((v.error for v, e in zip(victims, ended) if not e and v), None), 80)})"
                    if not all(ended) else "")
                 + f"; new requests: {sum(refused)}/2 EngineDead; that server stopped with exit {code} in "
@@ -1088,6 +1087,138 @@ def probe_shutdown_busy(suite: Suite) -> list[Result]:
                    seconds=time.monotonic() - t0)]
 
 
+def _plain_server(suite: Suite, name: str, repo: Path, extra_args: tuple[str, ...] = ()):
+    from voxbackend.triton.server import TritonServer
+
+    return TritonServer(repo, log_file=suite.tmp / f"{name}-tritonserver.log", work_dir=suite.tmp / f"{name}-work",
+                        extra_args=list(extra_args)).start(timeout=300)
+
+
+def _sigterm(server) -> tuple[int | None, float]:
+    """SIGTERM to tritonserver itself (what docker stop and Kubernetes send); its exit code and seconds to exit."""
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        return server.proc.wait(60), time.monotonic() - t0
+    except subprocess.TimeoutExpired:
+        return None, time.monotonic() - t0
+
+
+def probe_drain(suite: Suite) -> list[Result]:
+    """A plain tritonserver with the committed orpheus models (tiny default checkpoint), SIGTERM while streams
+    play through `orpheus` and `orpheus_engine`."""
+    from voxbackend.triton import configs
+
+    t0 = time.monotonic()
+    repo = suite.tmp / "drain_repository"
+    for folder in ("orpheus", "orpheus_preprocess", "orpheus_engine"):
+        shutil.copytree(configs.DEFAULT_REPOSITORY / folder, repo / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    server = _plain_server(suite, "drain", repo)
+    try:
+        tokens = 700  # 100 frames, 8.5 s of audio, MIN_TOKENS too: longer than the time to SIGTERM
+        outs: list = [None] * 4
+        models = ["orpheus", "orpheus", "orpheus", "orpheus_engine"]
+        threads = [threading.Thread(target=lambda i=i: outs.__setitem__(i, stream_request(
+            server.grpc_url, models[i], make_inputs(TEXTS[i], None, None, MAX_TOKENS=tokens, MIN_TOKENS=tokens,
+                                                    SEED=3000 + i, TOP_K=TOP_K), timeout=120)), daemon=True)
+            for i in range(4)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: metric_total(server.metrics_url, "voxbackend_ttfa_seconds_count") >= 4, 60)
+        server.proc.send_signal(signal.SIGTERM)
+        t_sig = time.monotonic()
+        late = stream_request(server.grpc_url, "orpheus", short_inputs(0), timeout=10)
+        late_s = time.monotonic() - t_sig
+        try:
+            with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=2) as r:
+                ready = r.status == 200
+        except OSError:
+            ready = False
+        try:
+            rc = server.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            rc = None
+        exit_s = time.monotonic() - t_sig
+        for t in threads:
+            t.join(30)
+    finally:
+        server.close()
+    broken = {f"{models[i]} {i}": intact(o) if o else "no outcome" for i, o in enumerate(outs)}
+    broken = {k: v for k, v in broken.items() if v}
+    refused = late.error is not None and not late.chunks and late_s < 1.0
+    ok = rc == 0 and not broken and refused and not ready
+    observed = (f"exit {rc} {exit_s:.1f} s after SIGTERM; {4 - len(broken)}/4 streams (3 `orpheus`, 1 direct) "
+                f"finished intact ({', '.join(str(len(o.chunks)) for o in outs if o)} chunks)"
+                + (f", broken: {broken}" if broken else "")
+                + f"; a request during the drain: {short(late.error, 90)} after {late_s:.2f} s; readiness "
+                + ("still 200" if ready else "failed"))
+    return [Result("drain", "SIGTERM to a plain tritonserver while streams play through `orpheus` and "
+                   "`orpheus_engine`: every stream finishes intact, a new request is refused within 1 s, readiness "
+                   "fails, exit 0", observed, verdict(ok), seconds=time.monotonic() - t0)]
+
+
+def probe_drain_grace(suite: Suite) -> list[Result]:
+    """The fake engine (streams as long as wanted) with drain_grace_s 2: streams that outlast it end with an error."""
+    from voxbackend.triton import configs
+
+    t0 = time.monotonic()
+    settings = {**FAKE_ENGINE, "kv_pages": "4096", "max_queue": "8", "drain_grace_s": "2"}
+    repo = configs.write_repository(suite.tmp / "grace_repository", settings, models=["orpheus"])
+    server = _plain_server(suite, "grace", repo)
+    try:
+        text = ("qzx " * 250)[:990]  # the fake: a chunk per prompt id, 20 ms apart: 20 s
+        models = ["orpheus", "orpheus", "orpheus_engine"]
+        outs = [None] * 3
+        threads = [threading.Thread(target=lambda i=i: outs.__setitem__(i, stream_request(
+            server.grpc_url, models[i], make_inputs(text, MAX_TOKENS=7000), timeout=60)), daemon=True)
+            for i in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)
+        rc, exit_s = _sigterm(server)
+        for t in threads:
+            t.join(30)
+    finally:
+        server.close()
+    ended = [o is not None and o.chunks and o.error and "drain grace period (2 s)" in o.error and not o.late_responses
+             for o in outs]
+    ok = rc == 0 and all(ended) and exit_s < 8
+    observed = (f"exit {rc} {exit_s:.1f} s after SIGTERM; {sum(ended)}/3 streams (2 `orpheus`, 1 direct) had audio, "
+                f"then one final error ({short(next((o.error for o in outs if o and o.error), None), 110)})")
+    return [Result("drain_grace", "SIGTERM with streams longer than drain_grace_s (2 s; fake engine): each gets "
+                   "its audio so far, then an error naming the grace period with the final flag; exit 0 within 8 s",
+                   observed, verdict(ok), seconds=time.monotonic() - t0)]
+
+
+def probe_refused_plain_sigint(suite: Suite) -> list[Result]:
+    """What no model can mend (docs/triton.md, Stopping): a plain tritonserver (fake engine) with one request
+    refused for its dtype whose client then cancels, then SIGINT (exit timeout 5 s here)."""
+    from voxbackend.triton import configs
+
+    t0 = time.monotonic()
+    repo = configs.write_repository(suite.tmp / "refused_repository", FAKE_ENGINE, models=["orpheus"])
+    server = _plain_server(suite, "refused", repo, ("--exit-timeout-secs=5",))
+    try:
+        refused = HeldStream(server.grpc_url, "orpheus", raw(("TEMPERATURE", np.array([0.5]), "FP64"))(), "refused")
+        refused.final.wait(10)
+        refused.cancel()
+        t_sig = time.monotonic()
+        server.proc.send_signal(signal.SIGINT)
+        try:
+            rc = server.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            rc = None
+        exit_s = time.monotonic() - t_sig
+    finally:
+        server.close()
+    observed = (f"refused with: {short(refused.error, 70)}; tritonserver exit {rc} {exit_s:.1f} s after SIGINT "
+                "(Triton 2.51's gRPC frontend keeps the refused request, and so its model, alive; `voxbackend serve` "
+                "ends such a server with exit 0: shutdown_busy)")
+    return [Result("refused_plain_sigint", "a plain tritonserver, a request refused for its dtype whose client "
+                   "cancels, then SIGINT: exit 0 within a few seconds", observed, verdict(rc == 0 and exit_s < 5),
+                   seconds=time.monotonic() - t0)]
+
+
 # ---------------------------------------------------------------- the table
 
 
@@ -1108,6 +1239,10 @@ PROBES: tuple[Probe, ...] = (
     Probe("overload", probe_overload, doc="requests beyond max_queue"),
     Probe("soak", probe_soak, doc="short requests at concurrency 8, RSS sampled"),
     Probe("engine_fault", probe_engine_fault, models=(), doc="engine loop dies (fake engine server)"),
+    Probe("drain", probe_drain, models=(), doc="SIGTERM to a plain tritonserver while streams play (its own server)"),
+    Probe("drain_grace", probe_drain_grace, models=(), doc="SIGTERM with streams past drain_grace_s (fake engine)"),
+    Probe("refused_plain_sigint", probe_refused_plain_sigint, models=(),
+          doc="refused-then-cancelled request, SIGINT to a plain tritonserver (Triton 2.51 fault)"),
     Probe("shutdown_busy", probe_shutdown_busy, doc="SIGINT while busy (stops the main server: last)"),
 )
 

@@ -380,7 +380,7 @@ def engine_server(model_dir: Path, codec_dir: Path, policy: str, work: Path, fir
         "first_chunk_s": str(first_chunk_s), **(params or {})}, models=["orpheus"])
     # only Orpheus: the overrides above apply to every served model, and other models (CSM, ...) would
     # otherwise be pointed at the Orpheus checkpoint, or load their own and take CPU from the benchmark
-    keep = {"orpheus", "orpheus_engine", "orpheus_preprocess", configs.POSTPROCESS}
+    keep = {"orpheus", "orpheus_engine", "orpheus_preprocess"}
     for folder in Path(repo).iterdir():
         if folder.is_dir() and folder.name not in keep:
             shutil.rmtree(folder)
@@ -480,8 +480,8 @@ class Suite:
                  "(the prompt set, MAX_TOKENS fixed). First-response (TTFA) percentiles come from the profile "
                  "export (parse.py): perf_analyzer's own CSV latencies are to the last response of each stream.", ""]
         for title, script, model, rng in (
-                ("`orpheus` ensemble, concurrency sweep", "concurrency_sweep.sh", "orpheus", st.pa_concurrency),
-                ("`orpheus` ensemble, Poisson request-rate sweep", "request_rate_sweep.sh", "orpheus", st.pa_rates),
+                ("`orpheus` model, concurrency sweep", "concurrency_sweep.sh", "orpheus", st.pa_concurrency),
+                ("`orpheus` model, Poisson request-rate sweep", "request_rate_sweep.sh", "orpheus", st.pa_rates),
                 ("`orpheus_engine` directly, concurrency sweep", "concurrency_sweep.sh", "orpheus_engine",
                  st.pa_engine_concurrency)):
             try:
@@ -513,7 +513,7 @@ class Suite:
         gp.plot(results, png, st.ttfa_p90, st.stall_free)
         xrt = {n: max((s["x_real_time"] or 0.0) for s in r.values()) for n, r in results.items()}
         xrt_ratio = f"{xrt['engine'] / xrt['naive']:.2f}x" if xrt.get("naive") else "-"
-        parts = ["## Goodput: engine (`orpheus` ensemble) vs naive baseline (`orpheus_naive`)", "",
+        parts = ["## Goodput: engine (`orpheus` model) vs naive baseline (`orpheus_naive`)", "",
                  f"Poisson arrivals (open loop, clients/loadgen), {st.duration:g} s of arrivals per rate, seed {st.seed}, "
                  f"served engines with first_chunk_s = {st.first_chunk_s:g} s, "
                  f"request i reads a prompt of perf/data/prompts.txt (seeded choice) with SEED {st.seed} + i, "

@@ -4,7 +4,7 @@
     python perf/text_stream_ttfa.py --url localhost:8001 --model qwen3_tts          # against a running server
 
 Cases, one after another (one stream at a time), the same text and seed each time:
-whole (the `<model>` ensemble, TTFA from the request), one piece (START and END on one request of
+whole (the `<model>` model, TTFA from the request), one piece (START and END on one request of
 `<model>_text_stream`), word pieces (every piece ends after a space: the first word commits at once) and
 mid-word pieces (the first piece ends inside a word: nothing starts until the second piece, one piece delay
 later). Prints the median, min and max TTFA per case, with the provenance of the run.
@@ -38,14 +38,14 @@ def measure(url: str, model: str, runs: int, delay: float, fields: dict) -> dict
     stream = f"{model}_text_stream"
     options = lambda: make_inputs(None, batched=True, **fields)  # noqa: E731
     cases = {
-        "whole (ensemble)": lambda: stream_request(url, model, make_inputs(TEXT, **fields), timeout=300),
+        "whole (front model)": lambda: stream_request(url, model, make_inputs(TEXT, **fields), timeout=300),
         "one piece": lambda: stream_text_pieces(url, stream, [TEXT], options(), timeout=300),
         f"word pieces, {delay:g} s apart": lambda: stream_text_pieces(url, stream, WORD_PIECES, options(),
                                                                       piece_delay=delay, timeout=300),
         f"mid-word pieces, {delay:g} s apart": lambda: stream_text_pieces(url, stream, MID_WORD_PIECES, options(),
                                                                           piece_delay=delay, timeout=300),
     }
-    cases["whole (ensemble)"]()  # warm-up: first-call costs are not the case's
+    cases["whole (front model)"]()  # warm-up: first-call costs are not the case's
     ttfa: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(runs):
         for name, run in cases.items():

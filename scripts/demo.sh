@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The server's main job end to end on the default model: set up the environment, start tritonserver on free
-# loopback ports with the model repository, stream one sentence through the `orpheus` ensemble with the
+# loopback ports with the model repository, stream one sentence through the `orpheus` model with the
 # tritonclient gRPC streaming client into a WAV file, stop the server.
 # Usage: bash scripts/demo.sh ["Text to speak."] [out.wav] [--api]   (--api: through the speech API, voxbackend.api)
 set -euo pipefail

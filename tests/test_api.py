@@ -214,7 +214,7 @@ def test_unknown_model_is_not_found(service, client):
 
 def test_models_and_voices_come_from_the_server(service, client):
     models = {m.id: m for m in client.models.list().data}
-    assert list(models) == ["orpheus"]  # the ensemble; its preprocess/engine/postprocess steps are not listed
+    assert list(models) == ["orpheus"]  # the front model; the preprocess and engine it calls are not listed
     info = models["orpheus"].model_dump()
     assert info["engine"] == "orpheus_engine" and info["sample_rate"] == RATE and info["voices"] == list(VOICES)
     voices = get_json(service["api"] + "/v1/audio/voices")
@@ -345,6 +345,11 @@ def test_server_down_is_503(tmp_path):
     ("engine stopped: 3 engine steps failed in a row; last: boom", 503, None, "engine_error"),
     ("in ensemble 'orpheus', engine step failed: CUDA error", 503, None, "engine_error"),
     ("[StatusCode.UNAVAILABLE] failed to connect to all addresses", 503, None, "server_unavailable"),
+    ("draining: the server is stopping and takes no new streams; retry on another instance", 503, None,
+     "server_draining"),
+    ("Server is stopping, scheduler for model has stopped accepting new inference requests", 503, None,
+     "server_draining"),
+    ("Request for unknown model: 'orpheus' has no available versions", 503, None, "server_draining"),
 ])
 def test_triton_messages_map_to_http_errors(message, status, param, code):
     error = api_errors.from_triton(message)

@@ -1,4 +1,4 @@
-"""The committed model repository is exactly what the template renders, and the ensemble obeys Triton's rules."""
+"""The committed model repository is exactly what the template renders, and the front model wires its parts by name."""
 from __future__ import annotations
 
 import re

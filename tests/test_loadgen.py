@@ -86,7 +86,7 @@ def test_chunk_audio_and_final_flag():
     assert chunk_audio_seconds(FakeResult(None, sr=None)) == 0.0
     with pytest.raises(ValueError):
         chunk_audio_seconds(FakeResult(np.zeros(10, np.int16), sr=None))
-    # the ensembles send AUDIO as one BYTES element of encoded samples
+    # the front models send AUDIO as one BYTES element of encoded samples
     assert chunk_audio_seconds(FakeResult(np.array([b"\0" * 4800], dtype=object))) == pytest.approx(0.1)
     assert chunk_audio_seconds(FakeResult(np.array([b"\0" * 4800], dtype=object)), "fp32") == pytest.approx(0.05)
     assert chunk_audio_seconds(FakeResult(np.array([b""], dtype=object))) == 0.0

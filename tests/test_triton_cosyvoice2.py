@@ -1,9 +1,9 @@
 """The cosyvoice2 deployment end to end: a real tritonserver on loopback serving the generated cosyvoice2_preprocess,
-cosyvoice2_engine, cosyvoice2 and audio_postprocess folders unchanged (copied into a repository of their own).
+cosyvoice2_engine and cosyvoice2 folders unchanged (copied into a repository of their own).
 
 No checkpoint is configured, so the engine model builds the tiny default CosyVoice2 itself (in a temporary
 VOXBACKEND_CACHE); the reference engine in this process loads that same checkpoint. The voice's prompt tokens,
-mel and speaker embedding are computed in the preprocess and reach the engine as ensemble tensors.
+mel and speaker embedding are computed in the preprocess and reach the engine as tensors.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from voxbackend.tools.tiny_cosyvoice2 import DEFAULT_VOICE, voice_clip  # noqa: 
 from voxbackend.triton import configs  # noqa: E402
 from tests.triton_util import assert_matches, committed_models, run_concurrently, serve  # noqa: E402
 
-FOLDERS = ("cosyvoice2", "cosyvoice2_engine", "cosyvoice2_preprocess", configs.POSTPROCESS)
+FOLDERS = ("cosyvoice2", "cosyvoice2_engine", "cosyvoice2_preprocess")
 MAX_TOKENS = 40  # 1.6 s of audio, two windows: keeps 2-core runs quick
 RATE = 24000
 

@@ -1,5 +1,5 @@
 """The csm deployment end to end: a real tritonserver on loopback serving the committed csm_preprocess, csm_engine,
-csm and audio_postprocess folders unchanged (copied into a repository of their own, so Orpheus is not loaded).
+csm folders unchanged (copied into a repository of their own, so Orpheus is not loaded).
 
 No checkpoint is configured, so the engine model builds the tiny default CSM itself (in a temporary
 VOXBACKEND_CACHE); the reference engine in this process loads that same checkpoint. One server for the module.
@@ -27,7 +27,7 @@ from voxbackend.triton import configs  # noqa: E402
 from tests.triton_util import assert_matches, committed_models, run_concurrently, serve  # noqa: E402
 
 
-FOLDERS = ("csm", "csm_engine", "csm_preprocess", configs.POSTPROCESS)
+FOLDERS = ("csm", "csm_engine", "csm_preprocess")
 MAX_TOKENS = 12  # frames (80 ms each): ~1 s of audio per stream keeps 2-core runs quick
 RATE = 24000
 

@@ -119,7 +119,10 @@ def test_sigterm_lets_every_open_stream_finish_refuses_new_ones_and_exits_0(fake
     assert took > 3, f"exited {took:.1f} s after SIGTERM: the streams cannot have played to their end"
 
 
-def test_streams_past_the_drain_grace_period_end_with_an_error_and_the_exit_is_clean(fake_server):
+def test_streams_past_the_drain_grace_period_end_with_an_error_and_the_exit_is_clean(fake_server, monkeypatch):
+    """A text stream's client stops sending pieces once its stream ended, so its Triton sequence (which Triton's
+    stop waits for) ends at the sequence idle timeout: 2 s here, 10 s as served."""
+    monkeypatch.setattr(configs, "TEXT_STREAM_IDLE_US", 2_000_000)
     srv = fake_server(drain_grace_s="2")
     outs, threads = start_streams(srv.grpc_url, chars=990)  # 20 s each
     time.sleep(2.5)
@@ -130,7 +133,7 @@ def test_streams_past_the_drain_grace_period_end_with_an_error_and_the_exit_is_c
     for t in threads:
         t.join(30)
     assert code == 0, srv.log_tail()
-    assert took < 10, f"exited {took:.1f} s after SIGTERM with a 2 s grace period"
+    assert took < 2 + 2 + 6, f"exited {took:.1f} s after SIGTERM with a 2 s grace period and a 2 s sequence idle time"
     assert len(outs) == 5, sorted(outs)
     for name, out in sorted(outs.items()):
         assert out.error and "drain grace period (2 s)" in out.error, (name, out.error)

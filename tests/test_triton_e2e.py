@@ -202,7 +202,7 @@ def test_cancelling_half_of_16_streams_leaves_the_rest_intact_and_frees_kv(serve
     before = metric(server, "voxbackend_requests_finished_total", reason="cancelled")
     jobs = []
     for i in range(16):
-        model = "orpheus" if i < 12 else "orpheus_engine"  # the ensemble path needs cancel_channel
+        model = "orpheus" if i < 12 else "orpheus_engine"  # the front model path needs cancel_channel
         inputs = make_inputs(TEXTS[i], None, "fp32", MAX_TOKENS=tokens if i % 2 else MAX_TOKENS, SEED=300 + i,
                              TOP_K=TOP_K)
         jobs.append(lambda inputs=inputs, i=i, model=model: stream_request(
@@ -240,7 +240,7 @@ def test_metrics_port_shows_the_custom_metrics(server):
     assert metric(server, "nv_inference_request_success", model="orpheus") >= 1  # Triton's own, alongside
 
 
-def test_perf_analyzer_streams_against_the_ensemble(server, tmp_path):
+def test_perf_analyzer_streams_against_the_front_model(server, tmp_path):
     from perf.perf_analyzer.parse import first_response_latencies, load_profile
     from voxbackend.cli import perf_analyzer_command
 

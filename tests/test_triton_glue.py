@@ -21,7 +21,8 @@ from voxbackend.triton import audio_encoding, fields, schema
 from voxbackend.triton.cancel_channel import CancelListener, send_cancel, send_shutdown, server_listeners
 from voxbackend.triton.fake_engine import FakeEngine, fake_audio
 from voxbackend.triton.loading import instance_settings
-from voxbackend.triton.streams import ResponseLoop, Stream, _Add
+from voxbackend.triton.drain import DRAINING, DrainWatch, grace_expired, server_http_address
+from voxbackend.triton.streams import ERROR_PREFIX, ResponseLoop, Stream, _Add
 from tests.util_responder import Recorder
 
 
@@ -245,7 +246,7 @@ def test_loop_cancels_when_the_client_is_gone_and_frees_pages(engine):
     submit(loop, engine, "gone", "a long text " * 5, gone, max_tokens=7000)
     submit(loop, engine, "kept", "short", kept, max_tokens=21)
     submit(loop, engine, "chan", "a long text " * 5, by_channel, max_tokens=7000)
-    loop.request_cancel("chan")  # what cancel_channel delivers for an ensemble client
+    loop.request_cancel("chan")  # what cancel_channel delivers for a front model client
     for rec in (gone, kept, by_channel):
         assert rec.done.wait(10)
     loop.stop()
@@ -298,17 +299,105 @@ def test_loop_probes_only_silent_streams_that_ask_for_it():
             return None
 
     loop = ResponseLoop(QueuedEngine(), clock=lambda: now[0], probe_s=0.4, cancel_check_s=1e9)
-    ensemble, direct = Recorder(), Recorder()
-    loop._handle(_Add(Stream("e", ensemble, "pcm16", 0.0, 24000, seed=7, probes=True)))
+    front, direct = Recorder(), Recorder()
+    loop._handle(_Add(Stream("e", front, "pcm16", 0.0, 24000, seed=7, probes=True)))
     loop._handle(_Add(Stream("d", direct, "pcm16", 0.0, 24000, probes=False)))
     for t in (0.1, 0.3, 0.45, 0.6, 0.9):
         now[0] = t
         loop._housekeeping()
     assert direct.sent == []  # a direct client sees cancellation itself (is_cancelled) and must not see probes
-    assert len(ensemble.sent) == 2  # at 0.45 s and 0.9 s: each 0.4 s after the last response
-    for out, error, final in ensemble.sent:
+    assert len(front.sent) == 2  # at 0.45 s and 0.9 s: each 0.4 s after the last response
+    for out, error, final in front.sent:
         assert error is None and not final and out["FINISH_REASON"][0] == b"probe" and out["AUDIO"].size == 0
         assert out["SEED_USED"][0] == 7
+
+
+class IdleEngine:  # nothing generates: streams stay open until the loop ends them
+    def __init__(self):
+        self.cancelled: list[str] = []
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+    def stats(self):
+        return None
+
+
+def test_a_failed_stream_behind_the_front_model_ends_with_a_normal_final_carrying_the_error():
+    """An error response after the first one does not reach a BLS caller (Triton 2.51): a stream that asked for
+    probes (behind the front model) gets a final response whose FINISH_REASON carries the error; a direct
+    client gets the error response itself."""
+    loop = ResponseLoop(IdleEngine())
+    front, direct = Recorder(), Recorder()
+    loop._handle(_Add(Stream("f", front, "pcm16", 0.0, 24000, seed=7, probes=True)))
+    loop._handle(_Add(Stream("d", direct, "pcm16", 0.0, 24000)))
+    for request_id in ("f", "d"):
+        loop._handle(Event(request_id, EventKind.ERROR, error="engine failed: boom"))
+    [(out, error, final)] = front.sent
+    assert error is None and final and out["FINAL"][0] and out["AUDIO"].size == 0
+    assert out["FINISH_REASON"][0] == (ERROR_PREFIX + "engine failed: boom").encode()
+    assert direct.sent == [(None, "engine failed: boom", True)]
+
+
+def test_a_drain_refuses_new_streams_and_ends_open_ones_at_the_grace_period():
+    now = [0.0]
+    engine = IdleEngine()
+    loop = ResponseLoop(engine, clock=lambda: now[0], cancel_check_s=1e9, probe_s=1e9)
+    before = Recorder()
+    loop._handle(_Add(Stream("open", before, "pcm16", 0.0, 24000)))
+    loop.request_drain(5.0)
+    loop._handle(loop._queue.get_nowait())
+    assert loop.draining
+    late = Recorder()
+    loop._handle(_Add(Stream("late", late, "pcm16", 0.0, 24000)))
+    assert late.sent == [(None, DRAINING, True)]  # refused at once
+    now[0] = 4.9
+    loop._housekeeping()
+    assert before.sent == [] and engine.cancelled == []  # still inside the grace period: it may finish
+    now[0] = 5.0
+    loop._housekeeping()
+    assert before.sent == [(None, grace_expired(5.0), True)] and engine.cancelled == ["open"]
+    assert "drain grace period (5 s)" in grace_expired(5.0)
+
+
+def test_the_drain_watch_fires_once_when_the_http_port_that_was_open_refuses():
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    address = listener.getsockname()
+    fired: list[float] = []
+    watch = DrainWatch(lambda: fired.append(time.monotonic()), address=address, poll_s=0.05)
+    try:
+        time.sleep(0.3)
+        assert fired == []  # open: serving
+        listener.close()  # what tritonserver does first on SIGTERM
+        assert wait_until(lambda: fired, 5)
+        time.sleep(0.2)
+        assert len(fired) == 1
+    finally:
+        watch.close()
+
+
+def test_the_drain_watch_finds_the_http_port_on_the_server_command_line(tmp_path):
+    """The stub's parent is tritonserver: its --http-port / --http-address / --allow-http decide the address."""
+    import subprocess
+
+    def address(*args: str):
+        proc = subprocess.Popen([sys.executable, "-c", "import time; print(1, flush=True); time.sleep(30)", *args],
+                                stdout=subprocess.PIPE)
+        try:
+            proc.stdout.readline()  # exec'd: its command line is its own
+            return server_http_address(proc.pid)
+        finally:
+            proc.kill()
+            proc.wait()
+
+    assert address("--http-port=8123", "--http-address=0.0.0.0") == ("127.0.0.1", 8123)
+    assert address("--http-port", "9000", "--http-address", "10.1.2.3") == ("10.1.2.3", 9000)
+    assert address() == ("127.0.0.1", 8000)  # Triton's defaults
+    assert address("--allow-http=false", "--http-port=8123") is None
 
 
 def test_shutdown_ends_open_and_new_streams_with_a_final_response(engine):

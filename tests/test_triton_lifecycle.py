@@ -187,7 +187,7 @@ def _refused_then_cancelled(url: str, model: str) -> str | None:
 
 @dataclass(frozen=True)
 class Busy:
-    """What keeps a server busy: two long streams (ensemble and direct) that take the engine, and two more that
+    """What keeps a server busy: two long streams (through the front model and direct) that take the engine, and two more that
     wait behind them in its queue."""
     settings: dict[str, str]
     long_text: str
@@ -229,13 +229,13 @@ def _serve_busy_then_sigint(tmp_path: Path, busy: Busy) -> tuple[int, float, str
             t.start()
             return t
 
-        threads = [stream("running ensemble", "orpheus", busy.long_text, busy.long_tokens),
+        threads = [stream("running front", "orpheus", busy.long_text, busy.long_tokens),
                    stream("running direct", "orpheus_engine", busy.long_text, busy.long_tokens)]
         assert wait_for(lambda: metric(metrics_url, "voxbackend_ttfa_seconds_count") >= 2, 60) is not None, \
             "the two long streams did not start playing"
         for model in ("orpheus", "orpheus_engine"):
             _queued_then_cancelled(url, model, busy.long_text, busy.short_tokens)
-        threads += [stream("queued ensemble", "orpheus", busy.long_text, busy.short_tokens),
+        threads += [stream("queued front", "orpheus", busy.long_text, busy.short_tokens),
                     stream("queued direct", "orpheus_engine", busy.long_text, busy.short_tokens)]
         refused = [_refused_then_cancelled(url, m) for m in ("orpheus", "orpheus_engine")]
         assert all(r and "data-type is 'FP64'" in r for r in refused), refused
@@ -262,10 +262,10 @@ def _assert_stopped_cleanly(tmp_path: Path, code: int, took: float, log: str, ou
                             grpc_port: int, within_s: float) -> None:
     assert code == 0, log[-3000:]
     assert "stopped (exit 0)" in log
-    for name in ("running ensemble", "running direct", "queued ensemble", "queued direct"):
+    for name in ("running front", "running direct", "queued front", "queued direct"):
         out = outs[name]  # the server's own final response, before the socket closed
         assert out.error is None and out.finish_reason == "shutdown" and out.late_responses == 0, (name, out.error)
-    assert outs["running ensemble"].chunks and outs["running direct"].chunks
+    assert outs["running front"].chunks and outs["running direct"].chunks
     assert not _stubs_of(tmp_path), f"left running after the launcher exited: {_stubs_of(tmp_path)}"
     # the stubs Triton keeps for the refused request are killed: their shared memory must not stay in /dev/shm
     assert not list(SHM_DIR.glob(f"voxbackend_*_{grpc_port}_*")), "shared-memory regions left behind"
@@ -292,7 +292,7 @@ def test_a_killed_server_leaves_no_shared_memory_behind(tmp_path):
     srv = TritonServer(repo, log_file=tmp_path / "tritonserver.log", work_dir=tmp_path / "work").start(timeout=120)
     try:
         regions = list(SHM_DIR.glob(srv.shm_prefix + "*"))
-        assert len(regions) >= 2, regions  # one per stub: the ensemble's steps each have one
+        assert len(regions) >= 2, regions  # one per stub: the front, preprocess and engine models each have one
         os.killpg(srv.proc.pid, signal.SIGKILL)
     finally:
         srv.stop()

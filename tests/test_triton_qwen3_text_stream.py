@@ -1,7 +1,7 @@
 """Text streaming with the real tiny Qwen3-TTS through tritonserver: the repository as the generator renders it.
 
 Greedy (temperature 0, repetition penalty 1: the talker and its code predictor), the same text sent whole through
-the `qwen3_tts` ensemble and in pieces with delays through `qwen3_tts_text_stream` gives the same audio: the
+the `qwen3_tts` model and in pieces with delays through `qwen3_tts_text_stream` gives the same audio: the
 request waits, without tts_eos, whenever the pieces run behind. Audio is compared up to 4 PCM16 steps (float
 rounding of differently batched codec windows, as in the API tests) and must have the same length.
 """

@@ -1,5 +1,5 @@
 """The qwen3_tts deployment end to end: a real tritonserver on loopback serving the committed qwen3_tts_preprocess,
-qwen3_tts_engine, qwen3_tts and audio_postprocess folders unchanged (copied into a repository of their own).
+qwen3_tts_engine and qwen3_tts folders unchanged (copied into a repository of their own).
 
 No checkpoint is configured, so the engine model builds the tiny default Qwen3-TTS (CustomVoice, tagged 0.6B:
 INSTRUCT is refused) in a temporary VOXBACKEND_CACHE; the reference engine in this process loads the same folder.
@@ -22,7 +22,7 @@ from clients.tts_stream import make_inputs, stream_request  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
 from tests.triton_util import assert_matches, committed_models, run_concurrently, serve  # noqa: E402
 
-FOLDERS = ("qwen3_tts", "qwen3_tts_engine", "qwen3_tts_preprocess", configs.POSTPROCESS)
+FOLDERS = ("qwen3_tts", "qwen3_tts_engine", "qwen3_tts_preprocess")
 MAX_TOKENS = 12  # frames of 80 ms
 RATE = 24000
 

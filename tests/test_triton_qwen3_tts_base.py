@@ -2,7 +2,7 @@
 folders that the generator writes with `qwen3_tts.checkpoint` set to a tiny Base checkpoint. Streams cloned from
 REFERENCE_AUDIO (WAV bytes at several rates) + REFERENCE_TEXT, concurrently, equal Engine.synthesize with the same
 inputs in this process; the reference's codes and x-vector are computed in the preprocess and reach the engine as
-the ensemble tensors X_VECTOR and REFERENCE_CODES. Bad inputs are refused naming the tensor.
+the tensors X_VECTOR and REFERENCE_CODES. Bad inputs are refused naming the tensor.
 """
 from __future__ import annotations
 

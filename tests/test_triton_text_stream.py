@@ -66,7 +66,7 @@ def options(seed=5, **more):
     return make_inputs(None, batched=True, SEED=seed, **more)
 
 
-def test_pieces_with_delays_give_the_audio_of_the_whole_text_through_the_ensemble(server):
+def test_pieces_with_delays_give_the_audio_of_the_whole_text_through_the_front_model(server):
     whole = stream_request(server.grpc_url, "orpheus", make_inputs(TEXT, SEED=5), timeout=60)
     assert whole.error is None and whole.finish_reason == "stop" and whole.chunks
     pieces = stream_text_pieces(server.grpc_url, MODEL, PIECES, options(), piece_delay=0.08, timeout=60)

@@ -65,6 +65,8 @@ def from_triton(message: str) -> ApiError:
                         "engine_overloaded")
     if "EngineDead" in text:
         return unavailable(_after(text, "EngineDead:"), "engine_dead")
+    if "draining:" in text or "Server is stopping" in text or "has no available versions" in text:
+        return unavailable(_after(text, "draining:"), "server_draining")  # the server stops: retry elsewhere
     if _ENGINE_FAILED.search(text):  # mid-stream: the engine failed or stopped under this stream
         return unavailable(text, "engine_error")
     if "UNAVAILABLE" in text or "failed to connect" in text.lower() or "connection refused" in text.lower():

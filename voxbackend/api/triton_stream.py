@@ -76,7 +76,7 @@ class SpeechStream:
 
 
 def speech_inputs(text: str, voice_input: str | None, voice: str | int | None, sampling: dict) -> list:
-    """Request tensors for the ensemble: TEXT, the model's voice input (VOICE name or SPEAKER id), PCM16 audio,
+    """Request tensors for the front model: TEXT, the model's voice input (VOICE name or SPEAKER id), PCM16 audio,
     and the sampling fields given (tensor name -> value)."""
     return make_inputs(text, voice if voice_input == "VOICE" else None, "pcm16",
                        speaker=voice if voice_input == "SPEAKER" else None, **sampling)

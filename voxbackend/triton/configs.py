@@ -43,7 +43,7 @@ ENGINE_PARAMS = {
     "detok_margin_s": "0.15",  # online policy: a stream's windows are decoded once its buffer is below this
     "detok_pace_floor": "auto",  # online policy: near the limit (streams made below this x real time) act as offline
     "attention": "auto",  # auto | torch | flashinfer
-    "drain_grace_s": "20",  # on SIGTERM, open streams may run this long (keep it below --exit-timeout-secs)
+    "drain_grace_s": "15",  # on SIGTERM, open streams may run this long (docs/triton.md, "Stopping")
     "max_tokens_limit": "0",  # largest max_tokens a request may ask; 0 = the model's official maximum
     "engine_loader": "voxbackend:load",  # module:function(model_dir, codec_dir=..., **options) -> engine
     "frontend_loader": "voxbackend.triton.loading:default_frontend",  # module:function(model_dir, codec_dir) -> model
@@ -159,8 +159,7 @@ def render_front(m: ServedModel, params: dict[str, str]) -> str:
     return _python_model(
         m.name, f"{m.description}: text in, a stream of encoded audio chunks out (the preprocess and engine "
         "run by BLS).", schema.client_inputs(m.input_specs), schema.CLIENT_OUTPUTS, instances=1, decoupled=True,
-        params={"preprocess_model": m.preprocess, "engine_model": m.engine, "model_kind": params["model_kind"],
-                "drain_grace_s": params["drain_grace_s"]})
+        params={"preprocess_model": m.preprocess, "engine_model": m.engine, "model_kind": params["model_kind"]})
 
 
 def select(models: list[str] | None = None) -> tuple[ServedModel, ...]:

@@ -17,18 +17,17 @@ import json
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from voxbackend.triton.audio_encoding import client_outputs
 from voxbackend.triton.cancel_channel import send_cancel
-from voxbackend.triton.drain import DRAINING, DrainWatch, grace_expired
-from voxbackend.triton.loading import DEFAULT_DRAIN_GRACE_S, conditioning_specs, model_parameters
+from voxbackend.triton.drain import DRAINING
+from voxbackend.triton.loading import conditioning_specs, model_parameters
 from voxbackend.triton.pb_glue import TritonResponder, route_logging, skip_interpreter_teardown
 from voxbackend.triton.schema import ENGINE_OUTPUTS, preprocess_outputs
-from voxbackend.triton.streams import PROBE
+from voxbackend.triton.streams import ERROR_PREFIX, PROBE
 
 log = logging.getLogger("voxbackend.triton")
 STOPPING = "Server is stopping"  # Triton's refusal of a new request once the server began to stop
@@ -54,8 +53,7 @@ class FrontStream:
     engine_stream: str = ""  # the engine's STREAM_ID, once its first response came
     cancelled: bool = False  # the client went away
     cancel_sent: bool = False
-    closed: bool = False  # the final response was posted (stream threads)
-    ended: bool = False  # the final response was sent (the sender thread)
+    closed: bool = False  # the final response was posted
 
 
 class FrontModel:
@@ -74,15 +72,15 @@ class FrontModel:
         self.engine_outputs = [s.name for s in ENGINE_OUTPUTS]
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._open: dict[int, FrontStream] = {}  # the sender thread's own: streams not yet ended
+        # kept on the model: a collected family breaks its metrics (metrics.py)
+        self._family = pb_utils.MetricFamily("voxbackend_front_streams", "Client streams open in this front model "
+                                             "(the launcher waits for 0 before it stops the server)",
+                                             pb_utils.MetricFamily.GAUGE)
+        self._gauge = self._family.Metric(labels={"model": args["model_name"],
+                                                  "instance": args.get("model_instance_name", "0")})
         self._stopped = threading.Event()
         self._sender = threading.Thread(target=self._send_loop, name="voxbackend-front-send", daemon=True)
         self._sender.start()
-        # The front ends its own streams at the end of the grace period: the engine does the same for its
-        # streams, but in 2.51 that last (error) response of a BLS stream did not reach this stub while the
-        # server was stopping (seen here), so the client would have waited for Triton's exit timeout.
-        self.grace_s = float(params.get("drain_grace_s") or DEFAULT_DRAIN_GRACE_S)
-        self._drain_deadline: float | None = None
-        self.drain = DrainWatch(lambda: self._outbox.put(("drain",)))
 
     def execute(self, requests) -> None:
         for request in requests:
@@ -111,8 +109,11 @@ class FrontModel:
                     continue  # a bare final flag: the loop ends after it
                 stream.engine_stream = stream.engine_stream or tensor_string(tensors["STREAM_ID"])
                 self._pass_cancel(stream)
-                if tensor_string(tensors["FINISH_REASON"]) == PROBE:
+                reason = tensor_string(tensors["FINISH_REASON"])
+                if reason == PROBE:
                     continue
+                if reason.startswith(ERROR_PREFIX):
+                    return self._post(stream, None, reason[len(ERROR_PREFIX):], final=True)
                 final = bool(tensors["FINAL"].reshape(-1)[0])
                 self._post(stream, client_outputs(tensors), None, final)
                 if final:
@@ -143,37 +144,29 @@ class FrontModel:
                 while item is not None:
                     self._handle(item)
                     item = self._outbox.get_nowait() if not self._outbox.empty() else None
-                self._housekeeping()
+                self._check_cancelled()
             except Exception:  # noqa: BLE001 - the thread must live: every open stream depends on it
                 log.exception("front sender error")
 
     def _handle(self, item: tuple) -> None:
         if item[0] == "open":
             self._open[id(item[1])] = item[1]
-        elif item[0] == "drain":
-            self._drain_deadline = time.monotonic() + self.grace_s
+            self._gauge.set(len(self._open))
         else:
             self._send(*item[1:])
 
     def _send(self, stream: FrontStream, outputs, error: str | None, final: bool) -> None:
-        if stream.ended:
-            return  # ended by the drain's deadline while this response was queued
-        if final:
-            stream.ended = True
-            self._open.pop(id(stream), None)
         try:
             stream.responder.send(outputs, error, final)
         except Exception as e:  # noqa: BLE001 - a client that went away must not stop the others
             log.warning("front send failed: %s", e)
+        if final:
+            self._open.pop(id(stream), None)
+            self._gauge.set(len(self._open))
 
-    def _housekeeping(self) -> None:
-        expired = self._drain_deadline is not None and time.monotonic() >= self._drain_deadline
+    def _check_cancelled(self) -> None:
         for stream in list(self._open.values()):
-            if expired:
-                stream.cancelled = stream.closed = True  # the engine stops it; its worker posts nothing more
-                self._pass_cancel(stream)
-                self._send(stream, None, grace_expired(self.grace_s), final=True)
-            elif not stream.cancelled:
+            if not stream.cancelled:
                 try:
                     stream.cancelled = bool(stream.responder.is_cancelled())
                 except Exception:  # noqa: BLE001
@@ -181,7 +174,6 @@ class FrontModel:
             self._pass_cancel(stream)
 
     def finalize(self) -> None:
-        self.drain.close()
         self._stopped.set()
         self._sender.join(2.0)
         skip_interpreter_teardown()

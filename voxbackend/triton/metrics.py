@@ -6,7 +6,7 @@ later update fail with "MetricFamily has been deleted" (seen with Triton 2.51, d
 from __future__ import annotations
 
 TTFA_BUCKETS = [0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
+FINISH_REASONS = ("stop", "length", "cancelled", "shutdown", "error")
 
 
 class TritonMetrics:

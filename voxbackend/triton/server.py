@@ -293,8 +293,8 @@ class TritonServer:
             self._note(f"removed {len(left)} shared-memory region(s) that killed stubs left in {SHM_DIR}")
 
     def _wait_streams_closed(self, timeout: float = 5.0, settle_s: float = 0.3) -> float | None:
-        """Until the engines report no open stream, then a moment for the front models to send their final
-        responses. Returns the seconds it took, None if streams were still open at the timeout."""
+        """Until the engine and front models report no open stream (the front's last final sent), and a moment
+        more. Returns the seconds it took, None if streams were still open at the timeout."""
         t0 = time.monotonic()
         took = None
         while time.monotonic() - t0 < timeout and self.proc.poll() is None:
@@ -302,8 +302,8 @@ class TritonServer:
                 text = urllib.request.urlopen(self.metrics_url, timeout=2).read().decode()
             except OSError:
                 break
-            open_streams = sum(float(v) for v in re.findall(r"^voxbackend_active_streams(?:\{[^}]*\})? (\S+)$",
-                                                            text, re.MULTILINE))
+            open_streams = sum(float(v) for v in re.findall(
+                r"^voxbackend_(?:active|front)_streams(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE))
             if open_streams == 0:
                 took = time.monotonic() - t0
                 break

@@ -23,6 +23,10 @@ from voxbackend.triton.drain import DRAINING, grace_expired
 log = logging.getLogger("voxbackend.triton")
 PROBE = "probe"  # FINISH_REASON of a probe response: no audio, dropped by the front model
 SHUTDOWN = "shutdown"  # FINISH_REASON of streams ended because the server is stopping
+# A stream behind the front model that fails gets a normal final response whose FINISH_REASON is this prefix and
+# the message; the front model sends its client the error. In 2.51 an error response of the engine after its
+# first one never reached the front model's BLS call (seen here: an engine failure, the drain's grace period).
+ERROR_PREFIX = "error: "
 
 
 class Responder(Protocol):
@@ -257,7 +261,12 @@ class ResponseLoop:
     def _fail(self, s: Stream, message: str) -> None:
         self._streams.pop(s.request_id, None)
         self.metrics.finished("error")
-        self._safe_send(s, None, message, final=True)
+        if s.probes:  # behind the front model (ERROR_PREFIX)
+            empty = np.zeros(0, dtype=np.float32)
+            self._safe_send(s, self._outputs(s, empty, s.chunks, final=True, reason=ERROR_PREFIX + message), None,
+                            final=True)
+        else:
+            self._safe_send(s, None, message, final=True)
 
     def _outputs(self, s: Stream, audio: np.ndarray, index: int, final: bool, reason: str) -> dict[str, np.ndarray]:
         return {
