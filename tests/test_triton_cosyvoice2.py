@@ -23,8 +23,8 @@ import tritonclient.grpc as tritonclient  # noqa: E402
 
 from clients.tts_stream import make_inputs, stream_request  # noqa: E402
 from voxbackend.tools.tiny_cosyvoice2 import DEFAULT_VOICE, voice_clip  # noqa: E402
-from voxbackend.triton import configs  # noqa: E402
-from tests.triton_util import assert_matches, committed_models, run_concurrently, serve  # noqa: E402
+from tests.triton_util import (assert_matches, committed_models, run_concurrently, serve,  # noqa: E402
+                               sigterm_while_streaming)
 
 FOLDERS = ("cosyvoice2", "cosyvoice2_engine", "cosyvoice2_preprocess")
 MAX_TOKENS = 40  # 1.6 s of audio, two windows: keeps 2-core runs quick
@@ -164,3 +164,20 @@ def test_bad_inputs_are_refused_naming_the_tensor(server):
             if not (out.error and message in out.error and out.responses == 1 and not out.chunks):
                 failures.append(f"{model} / {name}: error={out.error!r} responses={out.responses}")
     assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------- last: SIGTERM stops the module's server
+
+
+def test_sigterm_lets_open_streams_finish_with_their_whole_audio_and_exit_0(server, reference):
+    """docker stop / Kubernetes: the streams through `cosyvoice2` and `cosyvoice2_engine` (cloning included)
+    finish as they would have, exit 0."""
+    cases = CASES[:3]
+    models = ["cosyvoice2", "cosyvoice2_engine", "cosyvoice2"]
+    jobs = [lambda c=c, m=m: stream_request(server.grpc_url, m, c.inputs(), c.fmt, timeout=240)
+            for c, m in zip(cases, models)]
+    code, open_streams, outs = sigterm_while_streaming(server, jobs)
+    assert code == 0, server.log_tail()
+    assert open_streams > 0, "every stream had ended before SIGTERM: nothing was drained"
+    for i, (case, out) in enumerate(zip(cases, outs)):
+        assert_nonempty_match(out, reference(case), case.fmt, f"drained cosyvoice2 stream {i} ({models[i]})")

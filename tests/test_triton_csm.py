@@ -23,8 +23,8 @@ import soundfile as sf  # noqa: E402
 import tritonclient.grpc as tritonclient  # noqa: E402
 
 from clients.tts_stream import StreamOutcome, context_fields, make_inputs, stream_request  # noqa: E402
-from voxbackend.triton import configs  # noqa: E402
-from tests.triton_util import assert_matches, committed_models, run_concurrently, serve  # noqa: E402
+from tests.triton_util import (assert_matches, committed_models, run_concurrently, serve,  # noqa: E402
+                               sigterm_while_streaming)
 
 
 FOLDERS = ("csm", "csm_engine", "csm_preprocess")
@@ -210,3 +210,19 @@ def test_bad_inputs_get_one_clear_error_while_another_stream_finishes_intact(ser
     assert not failures, "\n".join(failures)
     assert long_out and long_out[0].arrivals[-1] > long_out[0].send_time + 0.5, "the long stream overlapped"
     assert_matches(long_out[0], expected, long_case.fmt, "long stream")
+
+
+# ---------------------------------------------------------------- last: SIGTERM stops the module's server
+
+
+def test_sigterm_lets_open_streams_finish_with_their_whole_audio_and_exit_0(server, reference):
+    """docker stop / Kubernetes: the streams through `csm` and `csm_engine` finish as they would have, exit 0."""
+    cases = [dataclasses.replace(c, max_tokens=50) for c in CASES[:3]]
+    models = ["csm", "csm", "csm_engine"]
+    jobs = [lambda c=c, m=m: stream_request(server.grpc_url, m, c.inputs(), c.fmt, timeout=240)
+            for c, m in zip(cases, models)]
+    code, open_streams, outs = sigterm_while_streaming(server, jobs)
+    assert code == 0, server.log_tail()
+    assert open_streams > 0, "every stream had ended before SIGTERM: nothing was drained"
+    for i, (case, out) in enumerate(zip(cases, outs)):
+        assert_matches(out, reference(case), case.fmt, f"drained csm stream {i} ({models[i]})")

@@ -19,8 +19,8 @@ sys.path.insert(0, str(ROOT))
 import tritonclient.grpc as tritonclient  # noqa: E402
 
 from clients.tts_stream import make_inputs, stream_request  # noqa: E402
-from voxbackend.triton import configs  # noqa: E402
-from tests.triton_util import assert_matches, committed_models, run_concurrently, serve  # noqa: E402
+from tests.triton_util import (assert_matches, committed_models, run_concurrently, serve,  # noqa: E402
+                               sigterm_while_streaming)
 
 FOLDERS = ("qwen3_tts", "qwen3_tts_engine", "qwen3_tts_preprocess")
 MAX_TOKENS = 12  # frames of 80 ms
@@ -126,3 +126,20 @@ def test_bad_inputs_are_refused_naming_the_tensor(server):
             if not (out.error and message in out.error and out.responses == 1 and not out.chunks):
                 failures.append(f"{model} / {name}: error={out.error!r} responses={out.responses}")
     assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------- last: SIGTERM stops the module's server
+
+
+def test_sigterm_lets_open_streams_finish_with_their_whole_audio_and_exit_0(server, reference):
+    """docker stop / Kubernetes: the streams through `qwen3_tts` and `qwen3_tts_engine` finish as they would
+    have, exit 0."""
+    cases = [dataclasses.replace(c, max_tokens=50) for c in CASES[:3]]
+    models = ["qwen3_tts", "qwen3_tts", "qwen3_tts_engine"]
+    jobs = [lambda c=c, m=m: stream_request(server.grpc_url, m, c.inputs(), c.fmt, timeout=240)
+            for c, m in zip(cases, models)]
+    code, open_streams, outs = sigterm_while_streaming(server, jobs)
+    assert code == 0, server.log_tail()
+    assert open_streams > 0, "every stream had ended before SIGTERM: nothing was drained"
+    for i, (case, out) in enumerate(zip(cases, outs)):
+        assert_matches(out, reference(case), case.fmt, f"drained qwen3_tts stream {i} ({models[i]})", RATE)

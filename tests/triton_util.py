@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
+import subprocess
 import threading
 import time
 import urllib.request
@@ -27,6 +29,31 @@ def serve(repo: Path, log_dir: Path, env: dict[str, str] | None = None, stop_wit
     if clean_exit:
         assert code == 0, f"tritonserver exited with {code}:\n{srv.log_tail()}"
     assert time.monotonic() - t0 < stop_within_s, "tritonserver took too long to stop (a stream left open?)"
+
+
+def sigterm_while_streaming(server: TritonServer, jobs: list[Callable[[], T]], timeout: float = 300
+                            ) -> tuple[int | None, float, list[T]]:
+    """A module's last test (it stops the module's server): run the jobs (streams) and send SIGTERM to
+    tritonserver once each has had its first audio. Returns the exit code, the engines' open streams at the
+    signal (the drain had something to do when > 0) and the jobs' results."""
+    first = metric(server, "voxbackend_ttfa_seconds_count")
+    results: list = [None] * len(jobs)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, jobs[i]()), daemon=True)
+               for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    while metric(server, "voxbackend_ttfa_seconds_count") < first + len(jobs) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    open_streams = metric(server, "voxbackend_active_streams")
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        code = server.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        code = None
+    for t in threads:
+        t.join(max(1.0, deadline - time.monotonic()))
+    return code, open_streams, results
 
 
 def committed_models(folders: list[str], repo: Path) -> Path:
