@@ -24,7 +24,7 @@ import tritonclient.grpc as tritonclient  # noqa: E402
 from clients.tts_stream import make_inputs, stream_request  # noqa: E402
 from voxbackend.tools.tiny_cosyvoice2 import DEFAULT_VOICE, voice_clip  # noqa: E402
 from tests.triton_util import (assert_matches, committed_models, run_concurrently, serve,  # noqa: E402
-                               sigterm_while_streaming)
+                               drain_streams)
 
 FOLDERS = ("cosyvoice2", "cosyvoice2_engine", "cosyvoice2_preprocess")
 MAX_TOKENS = 40  # 1.6 s of audio, two windows: keeps 2-core runs quick
@@ -174,10 +174,6 @@ def test_sigterm_lets_open_streams_finish_with_their_whole_audio_and_exit_0(serv
     finish as they would have, exit 0."""
     cases = CASES[:3]
     models = ["cosyvoice2", "cosyvoice2_engine", "cosyvoice2"]
-    jobs = [lambda c=c, m=m: stream_request(server.grpc_url, m, c.inputs(), c.fmt, timeout=240)
-            for c, m in zip(cases, models)]
-    code, open_streams, outs = sigterm_while_streaming(server, jobs)
-    assert code == 0, server.log_tail()
-    assert open_streams > 0, "every stream had ended before SIGTERM: nothing was drained"
+    outs = drain_streams(server, [(m, c.inputs(), c.fmt) for c, m in zip(cases, models)])
     for i, (case, out) in enumerate(zip(cases, outs)):
         assert_nonempty_match(out, reference(case), case.fmt, f"drained cosyvoice2 stream {i} ({models[i]})")

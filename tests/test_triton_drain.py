@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -23,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clients.tts_stream import StreamOutcome, make_inputs, stream_request, stream_text_pieces  # noqa: E402
-from tests.triton_util import committed_models  # noqa: E402
+from tests.triton_util import committed_models, start_serve  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
 from voxbackend.triton.fake_engine import TOKENS_PER_CHUNK, FakeStreamingModel  # noqa: E402
-from voxbackend.triton.server import TritonServer, free_port  # noqa: E402
+from voxbackend.triton.server import TritonServer  # noqa: E402
 
 FAKE = {
     "checkpoint": "unused",
@@ -193,19 +192,9 @@ def test_voxbackend_serve_drains_on_sigterm(tmp_path):
     "shutdown" as on Ctrl-C, and it exits 0, a refused-then-cancelled request included."""
     from tests.test_triton_lifecycle import _refused_then_cancelled
 
-    ports = [free_port() for _ in range(3)]
-    cmd = [sys.executable, "-m", "voxbackend.cli", "serve", "--models", "orpheus", "--work-dir", str(tmp_path),
-           "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-           *[arg for k, v in FAKE.items() for arg in ("--set", f"{k}={v}")]]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
+    served = start_serve(tmp_path, FAKE)
     try:
-        t0 = time.monotonic()
-        while not any(line.startswith("ready:") for line in lines) and time.monotonic() - t0 < 300:
-            time.sleep(0.2)
-        url = f"127.0.0.1:{ports[1]}"
+        url = served.url
         outs: dict[str, StreamOutcome] = {}
         threads = [threading.Thread(target=lambda m=m: outs.__setitem__(m, stream_request(
             url, m, make_inputs(LONG, MAX_TOKENS=chunks(LONG) * TOKENS_PER_CHUNK), timeout=90)), daemon=True)
@@ -214,16 +203,12 @@ def test_voxbackend_serve_drains_on_sigterm(tmp_path):
             t.start()
         assert "data-type is 'FP64'" in (_refused_then_cancelled(url, "orpheus") or "")
         time.sleep(2)
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(90)
+        code, _ = served.stop(signal.SIGTERM, 90)
         for t in threads:
             t.join(30)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(30)
-    reader.join(5)
-    log = "".join(lines)
+        served.close()
+    log = served.output
     assert code == 0 and "stopped (exit 0)" in log, log[-3000:]
     for model, out in sorted(outs.items()):
         assert out.error is None and out.finish_reason in ("stop", "length"), (model, out.error, out.finish_reason)

@@ -27,8 +27,8 @@ import tritonclient.grpc as tritonclient  # noqa: E402
 
 from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
-from voxbackend.triton.server import SHM_DIR, TritonServer, free_port  # noqa: E402
-from tests.triton_util import serve  # noqa: E402
+from voxbackend.triton.server import SHM_DIR, TritonServer  # noqa: E402
+from tests.triton_util import serve, start_serve  # noqa: E402
 
 FAKE = {
     "checkpoint": "unused",  # the fake ignores it; a non-empty value skips building the default checkpoint
@@ -207,19 +207,11 @@ def _serve_busy_then_sigint(tmp_path: Path, busy: Busy) -> tuple[int, float, str
     """`voxbackend serve` with streams running, queued, cancelled while queued, and refused then cancelled; SIGINT.
     Returns the launcher's exit code, seconds from SIGINT to its exit, its output, each open stream's outcome and
     the server's gRPC port."""
-    ports = [free_port() for _ in range(3)]
-    cmd = [sys.executable, "-m", "voxbackend.cli", "serve", "--models", "orpheus", "--work-dir", str(tmp_path),
-           "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-           *[arg for k, v in busy.settings.items() for arg in ("--set", f"{k}={v}")]]
-    serve_proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(serve_proc.stdout.readline, "")), daemon=True)
-    reader.start()
+    served = start_serve(tmp_path, busy.settings)
     try:
-        assert wait_for(lambda: any(line.startswith("ready:") for line in lines), 300, 0.2) is not None, lines
-        ready = next(line for line in lines if line.startswith("ready:"))
-        assert f"grpc 127.0.0.1:{ports[1]}" in ready, ready  # loopback unless --host says otherwise
-        url, metrics_url = f"127.0.0.1:{ports[1]}", f"http://127.0.0.1:{ports[2]}/metrics"
+        ready = next(line for line in served.lines if line.startswith("ready:"))
+        assert f"grpc {served.url}" in ready, ready  # loopback unless --host says otherwise
+        url, metrics_url = served.url, served.metrics_url
         outs: dict[str, StreamOutcome] = {}
 
         def stream(name: str, model: str, text: str, tokens: int) -> threading.Thread:
@@ -241,21 +233,12 @@ def _serve_busy_then_sigint(tmp_path: Path, busy: Busy) -> tuple[int, float, str
         assert all(r and "data-type is 'FP64'" in r for r in refused), refused
         assert wait_for(lambda: metric(metrics_url, "voxbackend_queued_requests") >= 2, 30) is not None
         assert all(t.is_alive() for t in threads), f"a stream ended before SIGINT: {sorted(outs)}"
-        t0 = time.monotonic()
-        serve_proc.send_signal(signal.SIGINT)
-        code = serve_proc.wait(60)
-        took = time.monotonic() - t0
+        code, took = served.stop(signal.SIGINT)
         for t in threads:
             t.join(30)
     finally:
-        if serve_proc.poll() is None:  # a failed check: SIGINT first, as a SIGKILL would orphan its tritonserver
-            serve_proc.send_signal(signal.SIGINT)
-            try:
-                serve_proc.wait(30)
-            except subprocess.TimeoutExpired:
-                serve_proc.kill()
-    reader.join(5)
-    return code, took, "".join(lines), outs, ports[1]
+        served.close()
+    return code, took, served.output, outs, served.ports[1]
 
 
 def _assert_stopped_cleanly(tmp_path: Path, code: int, took: float, log: str, outs: dict[str, StreamOutcome],

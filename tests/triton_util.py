@@ -6,14 +6,18 @@ import shutil
 import signal
 import subprocess
 import threading
+import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
 import numpy as np
 
 from voxbackend.triton.server import TritonServer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 T = TypeVar("T")
 
@@ -54,6 +58,79 @@ def sigterm_while_streaming(server: TritonServer, jobs: list[Callable[[], T]], t
     for t in threads:
         t.join(max(1.0, deadline - time.monotonic()))
     return code, open_streams, results
+
+
+@dataclass
+class ServeProcess:
+    """`voxbackend serve` in a child process (what users and the Docker image run), its output collected."""
+    proc: subprocess.Popen
+    lines: list[str]
+    ports: list[int]  # http, grpc, metrics
+    reader: threading.Thread
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.ports[1]}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports[2]}/metrics"
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self, sig: int, timeout: float = 60) -> tuple[int, float]:
+        """Send sig; the launcher's exit code and the seconds it took."""
+        t0 = time.monotonic()
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout), time.monotonic() - t0
+
+    def close(self) -> None:
+        """After a failed check: SIGINT first, as a SIGKILL would orphan its tritonserver."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.reader.join(5)
+
+
+def start_serve(work_dir: Path, settings: dict[str, str], models: str = "orpheus") -> ServeProcess:
+    from voxbackend.triton.server import free_port
+
+    ports = [free_port() for _ in range(3)]
+    cmd = [sys.executable, "-m", "voxbackend.cli", "serve", "--models", models, "--work-dir", str(work_dir),
+           "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
+           *[arg for k, v in settings.items() for arg in ("--set", f"{k}={v}")]]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    served = ServeProcess(proc, lines, ports, reader)
+    deadline = time.monotonic() + 300
+    while not any(line.startswith("ready:") for line in lines) and time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    if not any(line.startswith("ready:") for line in lines):
+        served.close()
+        raise AssertionError("voxbackend serve did not become ready:\n" + served.output[-3000:])
+    return served
+
+
+def drain_streams(server: TritonServer, requests: list[tuple[str, list, str]]) -> list:
+    """A module's last test (it stops the module's server): (model, inputs, audio format) streams, SIGTERM to
+    tritonserver once each has had its first audio; asserts that the server exited 0 and that some stream was
+    still open at the signal, and returns the streams' outcomes."""
+    from clients.tts_stream import stream_request
+
+    code, open_streams, outs = sigterm_while_streaming(server, [
+        lambda m=m, i=i, f=f: stream_request(server.grpc_url, m, i, f, timeout=240) for m, i, f in requests])
+    assert code == 0, server.log_tail()
+    assert open_streams > 0, "every stream had ended before SIGTERM: nothing was drained"
+    return outs
 
 
 def committed_models(folders: list[str], repo: Path) -> Path:
