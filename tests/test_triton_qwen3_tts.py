@@ -134,7 +134,7 @@ def test_bad_inputs_are_refused_naming_the_tensor(server):
 def test_sigterm_lets_open_streams_finish_with_their_whole_audio_and_exit_0(server, reference):
     """docker stop / Kubernetes: the streams through `qwen3_tts` and `qwen3_tts_engine` finish as they would
     have, exit 0."""
-    cases = [dataclasses.replace(c, max_tokens=50) for c in CASES[:3]]
+    cases = [dataclasses.replace(c, max_tokens=150) for c in CASES[:3]]  # 12 s of audio each
     models = ["qwen3_tts", "qwen3_tts", "qwen3_tts_engine"]
     outs = drain_streams(server, [(m, c.inputs(), c.fmt) for c, m in zip(cases, models)])
     for i, (case, out) in enumerate(zip(cases, outs)):
