@@ -26,7 +26,11 @@ def decode(data: bytes, fmt: str) -> np.ndarray:
 
 
 def client_outputs(engine: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """An engine response (float AUDIO, its AUDIO_FORMAT) -> what a client gets (AUDIO as bytes in that format)."""
+    """An engine response (float AUDIO, its AUDIO_FORMAT) -> what a client gets (AUDIO as bytes in that format).
+
+    Every array is new: a BLS response's arrays are views of its shared memory, and sending them on in another
+    response crashed the front model's stub ("free(): double free") once a client died mid-stream."""
     fmt = engine["AUDIO_FORMAT"].reshape(-1)[0]
     data = encode(engine["AUDIO"], fmt.decode() if isinstance(fmt, bytes) else str(fmt))
-    return {"AUDIO": np.array([data], dtype=np.object_), **{spec.name: engine[spec.name] for spec in CHUNK_META}}
+    return {"AUDIO": np.array([data], dtype=np.object_),
+            **{spec.name: np.array(engine[spec.name], copy=True) for spec in CHUNK_META}}
