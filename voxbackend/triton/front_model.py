@@ -93,13 +93,13 @@ class FrontModel:
     # --- one thread per stream ---
     def _serve(self, request, stream: FrontStream) -> None:
         try:
-            pre = self.pb.InferenceRequest(model_name=self.preprocess, inputs=request.inputs(),
+            pre = self.pb.InferenceRequest(model_name=self.preprocess, inputs=self._own(request.inputs()),
                                            requested_output_names=self.preprocess_outputs).exec()
             if pre.has_error():
                 return self._post(stream, None, client_error(pre.error().message()), final=True)
             if stream.cancelled:
                 return self._post(stream, None, None, final=True)
-            engine = self.pb.InferenceRequest(model_name=self.engine, inputs=pre.output_tensors(),
+            engine = self.pb.InferenceRequest(model_name=self.engine, inputs=self._own(pre.output_tensors()),
                                               requested_output_names=self.engine_outputs)
             for response in engine.exec(decoupled=True):
                 if response.has_error():
@@ -121,6 +121,11 @@ class FrontModel:
             self._post(stream, None, None, final=True)  # the engine ended with a bare final flag
         except Exception as e:  # noqa: BLE001 - never leave the client's stream open
             self._post(stream, None, client_error(f"internal error: {type(e).__name__}: {e}"), final=True)
+
+    def _own(self, tensors) -> list:
+        """Copies of another request's or response's tensors: passing them on as they are (views of their shared
+        memory) crashed this stub with a double free (client_outputs says when)."""
+        return [self.pb.Tensor(t.name(), np.array(t.as_numpy(), copy=True)) for t in tensors]
 
     def _post(self, stream: FrontStream, outputs, error: str | None, final: bool) -> None:
         if not stream.closed:
