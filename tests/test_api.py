@@ -216,7 +216,7 @@ def test_models_and_voices_come_from_the_server(service, client):
     models = {m.id: m for m in client.models.list().data}
     assert list(models) == ["orpheus"]  # the front model; the preprocess and engine it calls are not listed
     info = models["orpheus"].model_dump()
-    assert info["engine"] == "orpheus_engine" and info["sample_rate"] == RATE and info["voices"] == list(VOICES)
+    assert info["engine"] == "orpheus" and info["sample_rate"] == RATE and info["voices"] == list(VOICES)
     voices = get_json(service["api"] + "/v1/audio/voices")
     assert [v["voice_id"] for v in voices["voices"] if v["model"] == "orpheus"] == list(VOICES)
 
@@ -224,9 +224,9 @@ def test_models_and_voices_come_from_the_server(service, client):
 def test_health_and_gauges(service):
     health = get_json(service["api"] + "/health")
     assert health["status"] == "ok" and health["triton"] == "ready"
-    assert health["engines"] == {"orpheus_engine": {"alive": True}}
+    assert health["engines"] == {"orpheus": {"alive": True}}  # the front model hosts its engine
     stats = get_json(service["api"] + "/v1/stats")["models"]["orpheus"]
-    assert stats["engine"] == "orpheus_engine" and stats["engine_alive"] is True
+    assert stats["engine"] == "orpheus" and stats["engine_alive"] is True
     assert stats["kv_pages_total"] > 0 and stats["active_streams"] >= 0
 
 
@@ -455,7 +455,7 @@ def test_page_plays_a_stream_in_headless_chromium(service, tmp_path):
         # (how many reads the bytes took is the browser's business: a starved one reads everything at once)
         assert state["chunks"] >= 1 and state["ttfaMs"] > 0
         assert page.find_element(By.ID, "ttfa").text.endswith(" ms")
-        until(lambda: "orpheus_engine" in page.find_element(By.ID, "gauges").text, 10)
+        until(lambda: "orpheus (orpheus)" in page.find_element(By.ID, "gauges").text, 10)
         assert shot.stat().st_size > 10_000
     finally:
         page.quit()

@@ -128,7 +128,7 @@ def test_an_engine_death_is_503_and_health_says_so(triton, api, client):
     for t in victims:
         t.start()
     assert all(event.wait(30) for event in started), "the victims never got audio"
-    killer = stream_request(triton.grpc_url, "orpheus_engine", make_inputs("__die__ please", MAX_TOKENS=7), timeout=30)
+    killer = stream_request(triton.grpc_url, "orpheus", make_inputs("__die__ please", MAX_TOKENS=7), timeout=30)
     assert killer.error and "engine failed" in killer.error
     for t in victims:
         t.join(60)
@@ -147,7 +147,7 @@ def test_an_engine_death_is_503_and_health_says_so(triton, api, client):
         urllib.request.urlopen(api.url + "/health", timeout=5)
     body = json.load(health.value)
     assert body["status"] == "unavailable" and body["triton"] == "ready"  # Triton's readiness stays green
-    assert body["engines"] == {"orpheus_engine": {"alive": False}}
+    assert body["engines"] == {"orpheus": {"alive": False}}
 
 
 def _stats(api) -> dict:

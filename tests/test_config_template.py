@@ -62,14 +62,16 @@ def _tensor_names(config: str, kind: str) -> set[str]:
 
 
 @pytest.mark.parametrize("model", configs.SERVED_MODELS, ids=lambda m: m.name)
-def test_the_front_model_wires_preprocess_outputs_to_engine_inputs_by_name(model):
-    """The front model hands the preprocess's output tensors to the engine as they are (BLS, by name) and sends
-    its client what it makes of the engine's outputs."""
+def test_the_front_model_hosts_the_engine_its_engine_model_parameter_names(model):
+    """The front model takes the client inputs, runs the engine's settings (its own engine) and sends encoded audio;
+    the preprocess's outputs still fit the engine's inputs by name (for a caller that chains them)."""
     rendered = configs.render_all()
     front = rendered[model.name]
     assert 'backend: "python"' in front and "model_transaction_policy { decoupled: true }" in front
     assert f'key: "preprocess_model" value: {{ string_value: "{model.preprocess}" }}' in front
-    assert f'key: "engine_model" value: {{ string_value: "{model.engine}" }}' in front
+    assert f'key: "engine_model" value: {{ string_value: "{model.name}" }}' in front
+    engine_params = set(re.findall(r'key: "(\w+)"', rendered[model.engine]))
+    assert engine_params <= set(re.findall(r'key: "(\w+)"', front))
     assert _tensor_names(front, "input") == _tensor_names(rendered[model.preprocess], "input") == {
         s.name for s in schema.client_inputs(model.input_specs)}
     assert _tensor_names(rendered[model.preprocess], "output") <= _tensor_names(rendered[model.engine], "input")

@@ -225,26 +225,25 @@ stream_request(sys.argv[2], "orpheus", make_inputs(sys.argv[3], MAX_TOKENS=int(s
 
 
 def test_clients_killed_mid_stream_leave_the_front_model_healthy(fake_server):
-    """kill -9 of clients while audio flows through the front model, three times: the front model's stub lives
-    (it once died of a double free: it sent the engine's BLS response arrays on as its own), its streams close
-    and the next request is served."""
+    """kill -9 of clients while audio flows through the front model, six times: the front model's stub lives
+    (a front model that called its engine by BLS died of heap corruption here: docs/triton.md, "Stopping"), its
+    streams end and the next request is served."""
     from tests.triton_util import metric
 
     srv = fake_server()
-    for round_ in range(3):
+    for round_ in range(6):
         procs = [subprocess.Popen([sys.executable, "-c", CLIENT, str(ROOT), srv.grpc_url, LONG,
                                    str(chunks(LONG) * TOKENS_PER_CHUNK)]) for _ in range(4)]
         t0 = time.monotonic()
-        while metric(srv, "voxbackend_front_streams") < 4 and time.monotonic() - t0 < 60:
+        while metric(srv, "voxbackend_active_streams") < 4 and time.monotonic() - t0 < 60:
             time.sleep(0.05)
         time.sleep(0.5 + 0.3 * round_)  # chunks are flowing
         for p in procs:
             p.kill()
             p.wait(10)
         t0 = time.monotonic()
-        while metric(srv, "voxbackend_front_streams") + metric(srv, "voxbackend_active_streams") and \
-                time.monotonic() - t0 < 10:
+        while metric(srv, "voxbackend_active_streams") and time.monotonic() - t0 < 10:
             time.sleep(0.05)
-        assert metric(srv, "voxbackend_front_streams") == 0, f"round {round_}: front streams left open"
+        assert metric(srv, "voxbackend_active_streams") == 0, f"round {round_}: streams of killed clients left open"
         after = stream_request(srv.grpc_url, "orpheus", make_inputs("still there?", MAX_TOKENS=70), timeout=30)
         assert after.error is None and after.finish_reason in ("stop", "length"), (round_, after.error)

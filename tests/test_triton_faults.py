@@ -66,22 +66,26 @@ def test_more_requests_than_the_pool_holds_queue_then_get_overloaded(server, mod
 
 
 def test_an_engine_failure_ends_every_stream_with_an_error_and_refuses_new_ones(server):
-    assert metric(server, "voxbackend_engine_alive") == 1
+    """Both engines (the front model's own and orpheus_engine's), each with a stream running when it dies."""
+    assert metric(server, "voxbackend_engine_alive") == 2
     victims: list[StreamOutcome] = []
+    models = ("orpheus", "orpheus_engine")
 
-    def victim(i):
-        victims.append(stream_request(server.grpc_url, "orpheus" if i % 2 else "orpheus_engine",
-                                      make_inputs(f"a long stream {i}. " * 5, MAX_TOKENS=600), timeout=60))
+    def victim(model):
+        victims.append(stream_request(server.grpc_url, model,
+                                      make_inputs(f"a long stream on {model}. " * 5, MAX_TOKENS=600), timeout=60))
 
-    threads = [threading.Thread(target=victim, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=victim, args=(model,)) for model in models]
     for t in threads:
         t.start()
     time.sleep(0.5)
-    # small enough to be admitted next to the two victims (43 KV pages each at most, of 100)
-    killer = stream_request(server.grpc_url, "orpheus_engine", make_inputs("__die__ please", MAX_TOKENS=7), timeout=30)
+    # small enough to be admitted next to the victim (43 KV pages each at most, of 100)
+    killers = [stream_request(server.grpc_url, model, make_inputs("__die__ please", MAX_TOKENS=7), timeout=30)
+               for model in models]
     for t in threads:
         t.join(60)
-    assert killer.error and "engine failed" in killer.error
+    for killer in killers:
+        assert killer.error and "engine failed" in killer.error, killer.error
     assert len(victims) == 2
     for v in victims:  # they had audio, then one error; nothing hangs
         assert v.chunks and v.error and "engine failed" in v.error, v.error

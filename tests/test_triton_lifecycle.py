@@ -68,16 +68,20 @@ def wait_for(predicate, timeout: float, step: float = 0.05) -> float | None:
 
 
 class LongStream:
-    """A direct engine stream that holds the engine (the fake sends one chunk per prompt id) until stopped."""
+    """A stream that holds the model's engine (the fake sends one chunk per prompt id) until stopped."""
 
-    def __init__(self, url: str, ids: int = 2000):
+    def __init__(self, url: str, model: str = "orpheus_engine", ids: int = 2000):
         self.client = tritonclient.InferenceServerClient(url)
         self.responses = 0
         self.client.start_stream(callback=lambda result, error: setattr(self, "responses", self.responses + 1))
-        prompt = tritonclient.InferInput("PROMPT_IDS", [ids], "INT64")
-        prompt.set_data_from_numpy(np.full(ids, 97, np.int64))
-        self.client.async_stream_infer("orpheus_engine", [prompt, *make_inputs(None, MAX_TOKENS=7 * ids)],
-                                       enable_empty_final_response=True)
+        if model == "orpheus_engine":
+            prompt = tritonclient.InferInput("PROMPT_IDS", [ids], "INT64")
+            prompt.set_data_from_numpy(np.full(ids, 97, np.int64))
+            inputs = [prompt, *make_inputs(None, MAX_TOKENS=7 * ids)]
+        else:  # the front model takes text: one fake id per character, up to the fake's 1000 characters
+            ids = min(ids, 990)
+            inputs = make_inputs("a" * (ids - 1), MAX_TOKENS=7 * ids)
+        self.client.async_stream_infer(model, inputs, enable_empty_final_response=True)
 
     def stop(self) -> None:
         self.client.stop_stream(cancel_requests=True)
@@ -115,7 +119,7 @@ def _queue_clients_here(server, model: str) -> list:
 @pytest.mark.parametrize("model", ["orpheus", "orpheus_engine"])
 def test_dead_queued_clients_leave_the_queue_within_a_second(server, model, how):
     queued = lambda: metric(server.metrics_url, "voxbackend_queued_requests")  # noqa: E731
-    long = LongStream(server.grpc_url)
+    long = LongStream(server.grpc_url, model)  # each model has its own engine (docs/triton.md)
     try:
         assert wait_for(lambda: long.responses > 0, 30) is not None, "the long stream did not start"
         if how == "kill -9":
@@ -187,8 +191,8 @@ def _refused_then_cancelled(url: str, model: str) -> str | None:
 
 @dataclass(frozen=True)
 class Busy:
-    """What keeps a server busy: two long streams (through the front model and direct) that take the engine, and two more that
-    wait behind them in its queue."""
+    """What keeps a server busy: two long streams (through the front model and direct) that take their engines (each
+    model has its own), and two more that wait behind them in the queues."""
     settings: dict[str, str]
     long_text: str
     long_tokens: int
@@ -196,11 +200,12 @@ class Busy:
 
 
 # the fake holds one stream per max_batch slot and sends one chunk per prompt id
-FAKE_BUSY = Busy({**FAKE, "max_batch": "2"}, "a long stream " * 28, 7000, 70)
-# The real tiny Orpheus: two ~400-token prompts take 50 of 64 KV pages, so a third (25 pages for its prompt, one
-# free page per running stream on top) waits; playback_margin_s keeps every stream pressing, so a newcomer waits
-# rather than preempts a running one. 400 + 600 tokens fit the pool alone (a request that never could is refused).
-REAL_BUSY = Busy({"kv_pages": "64", "max_queue": "8", "playback_margin_s": "1000"}, "hello " * 100, 600, 35)
+FAKE_BUSY = Busy({**FAKE, "max_batch": "1"}, "a long stream " * 28, 7000, 70)
+# The real tiny Orpheus: one stream per engine (max_batch 1; `orpheus` and `orpheus_engine` each have one), so the
+# second stream sent to each waits; playback_margin_s keeps every stream pressing, so a newcomer waits rather than
+# preempts a running one. 400 + 600 tokens fit the 64-page pool alone (a request that never could is refused).
+REAL_BUSY = Busy({"kv_pages": "64", "max_batch": "1", "max_queue": "8", "playback_margin_s": "1000"},
+                 "hello " * 100, 600, 35)
 
 
 def _serve_busy_then_sigint(tmp_path: Path, busy: Busy) -> tuple[int, float, str, dict[str, StreamOutcome], int]:

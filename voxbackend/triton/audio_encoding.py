@@ -29,7 +29,7 @@ def client_outputs(engine: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """An engine response (float AUDIO, its AUDIO_FORMAT) -> what a client gets (AUDIO as bytes in that format).
 
     Every array is new: a BLS response's arrays are views of its shared memory, and sending them on in another
-    response crashed the front model's stub ("free(): double free") once a client died mid-stream."""
+    response crashed a stub ("free(): double free") once a client died mid-stream."""
     fmt = engine["AUDIO_FORMAT"].reshape(-1)[0]
     data = encode(engine["AUDIO"], fmt.decode() if isinstance(fmt, bytes) else str(fmt))
     return {"AUDIO": np.array([data], dtype=np.object_),

@@ -1,10 +1,10 @@
 """Messages to an engine instance from outside Triton: a stream's cancellation, and the launcher's shutdown.
 
-The front model (front_model.py) calls the engine by BLS, and a BLS request cannot be cancelled in Triton 2.51,
-so the engine's is_cancelled() stays False when the front model's client goes away. The front model then sends
-the engine's stream id (its STREAM_ID output) as one datagram to the engine instance's abstract Unix socket
-(named inside the id), and the instance cancels the request in its engine. A queued stream has sent no audio
-yet, so the engine sends it probes (streams.PROBE), which tell the front model the id; it drops them.
+A model that chains `<model>_preprocess` and `<model>_engine` by BLS cannot cancel its BLS request in Triton
+2.51, so the engine's is_cancelled() stays False when that model's client goes away. It can send the engine's
+stream id (its STREAM_ID output) as one datagram to the engine instance's abstract Unix socket (named inside the
+id), and the instance cancels the request in its engine. A queued stream has sent no audio yet, so for such
+callers (CANCEL_PROBES) the engine sends probes (streams.PROBE) that tell them the id.
 
 On SIGINT Triton waits for every in-flight request before it unloads a model, so the launcher first sends
 SHUTDOWN to each engine instance of its server (the socket names carry the server's pid): the instance ends

@@ -1,8 +1,9 @@
 """Render the model repository (every config.pbtxt and 1/model.py) from one source: the model registry.
 
 Each registry kind with a `served` description is served as three models: `<name>`, the decoupled front model
-clients call, which runs `<name>_preprocess` and `<name>_engine` by BLS; its request inputs are the ones its model
-class declares.
+clients call, which hosts its own engine and sends encoded audio; `<name>_engine`, the engine with float audio out
+for direct callers; `<name>_preprocess`, text and voice to prompt ids. Request inputs are the ones the model class
+declares.
 A kind whose model takes text in pieces (`text_streaming`) also gets `<name>_text_stream`, a sequence-batched
 engine model (docs/text_streaming.md). Adding a model is its registry entry; nothing here changes.
 
@@ -154,12 +155,14 @@ def render_text_stream(m: ServedModel, params: dict[str, str]) -> str:
 
 
 def render_front(m: ServedModel, params: dict[str, str]) -> str:
-    """The model clients call: a decoupled Python model that runs the preprocess and the engine by BLS
-    (front_model.py says why not an ensemble). One instance: it only relays, one thread per open stream."""
+    """The model clients call: a decoupled Python model hosting its own engine, which prepares prompts in-process
+    and sends encoded audio (front_model.py says why not an ensemble, nor BLS). `engine_model` names the model
+    whose engine gauges its streams show in (itself), `preprocess_model` where its front end's settings live."""
     return _python_model(
-        m.name, f"{m.description}: text in, a stream of encoded audio chunks out (the preprocess and engine "
-        "run by BLS).", schema.client_inputs(m.input_specs), schema.CLIENT_OUTPUTS, instances=1, decoupled=True,
-        params={"preprocess_model": m.preprocess, "engine_model": m.engine, "model_kind": params["model_kind"]})
+        m.name, f"{m.description}: text in, a stream of encoded audio chunks out (its own engine).",
+        schema.client_inputs(m.input_specs), schema.CLIENT_OUTPUTS, instances=1, decoupled=True,
+        params={**{k: v for k, v in params.items() if k != "frontend_loader"},
+                "preprocess_model": m.preprocess, "engine_model": m.name})
 
 
 def select(models: list[str] | None = None) -> tuple[ServedModel, ...]:
@@ -222,7 +225,7 @@ def render_files(models: list[str] | None = None) -> dict[str, str]:
             doc=f"{m.engine}: one voxbackend engine per instance (settings: config.pbtxt parameters).",
             module="engine_model", cls="EngineModel")
         files[f"{m.name}/{VERSION}/model.py"] = _SHIM.format(
-            doc=f"{m.name}: what clients call; runs {m.preprocess} and {m.engine} by BLS.",
+            doc=f"{m.name}: what clients call; hosts its own engine and sends encoded audio.",
             module="front_model", cls="FrontModel")
         if m.text_streaming:
             files.update(text_stream_files(m))

@@ -26,6 +26,8 @@ from voxbackend.triton.streams import ResponseLoop, Stream
 class EngineModel:
     """The TritonPythonModel of every `<model>_engine` folder."""
 
+    responder = TritonResponder  # the engine's float chunks as they are (front_model.py encodes them)
+
     def initialize(self, args: dict) -> None:
         import triton_python_backend_utils as pb_utils  # only importable inside the stub
 
@@ -66,7 +68,7 @@ class EngineModel:
             fmt = fields.audio_format(get)
         except InvalidRequest:
             fmt = DEFAULT_AUDIO_FORMAT  # reported below, once the stream exists
-        responder = TritonResponder(self.pb, request.get_response_sender())
+        responder = self.responder(self.pb, request.get_response_sender())
         stream = Stream(request_id, responder, fmt, arrived, self.sample_rate,
                         stream_id=self.cancels.stream_id(request_id))
         self.loop.add(stream)

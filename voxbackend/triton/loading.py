@@ -17,7 +17,7 @@ from voxbackend.config import EngineConfig
 
 # Parameters the glue itself consumes; every other non-empty one is an engine option.
 GLUE_PARAMS = ("checkpoint", "codec", "default_checkpoint", "engine_loader", "frontend_loader", "model_kind",
-               "drain_grace_s")
+               "drain_grace_s", "engine_model", "preprocess_model")  # the last two: a front model's, for the API
 DEFAULT_DRAIN_GRACE_S = 15.0  # + a text sequence's idle timeout (10 s) + unloading < --exit-timeout-secs (30)
 
 

@@ -38,7 +38,7 @@ class PreprocessModel:
             **fields.conditioning_tensors(prompt, self.conditioning),
             **fields.sampling_tensors(sampling),
             "AUDIO_FORMAT": np.array([fmt.encode()], dtype=np.object_),
-            "CANCEL_PROBES": np.array([True]),  # behind the front model: the engine cannot see its client leave
+            "CANCEL_PROBES": np.array([True]),  # for a BLS caller: the engine cannot see its client leave
         }
 
     def execute(self, requests) -> list:

@@ -39,9 +39,9 @@ _FORMAT_SPEC = TensorSpec("AUDIO_FORMAT", "STRING", optional=True, doc='"pcm16" 
 _TEXT_SPEC = TensorSpec("TEXT", "STRING", optional=True,
                         doc="UTF-8 text to speak; required (optional here so a missing TEXT gets our clear error)")
 
-# Set by the preprocess, so only streams behind the front model get probes (see cancel_channel).
+# Set by the preprocess, so only streams of a caller that chains it to the engine by BLS get probes (see cancel_channel).
 _PROBE_DOC = ("true: while the stream has nothing to send (e.g. queued), the engine sends a probe response now "
-              "and then, so the front model learns the stream's STREAM_ID (to pass a cancellation on); it drops "
+              "and then, so a BLS caller learns the stream's STREAM_ID (to pass a cancellation on); it drops "
               "every probe")
 
 
@@ -77,7 +77,7 @@ PREPROCESS_OUTPUTS = (
     TensorSpec("PROMPT_IDS", "INT64", (-1,),
                doc="prompt token ids; multi-column models: rows of token_columns ids, flattened"),
     *(TensorSpec(s.name, s.dtype, doc=s.doc) for s in _SAMPLING_SPECS),
-    TensorSpec("AUDIO_FORMAT", "STRING", doc="passed through the engine to the front model, which encodes"),
+    TensorSpec("AUDIO_FORMAT", "STRING", doc="passed through the engine to its caller, which encodes"),
     TensorSpec("CANCEL_PROBES", "BOOL", doc=_PROBE_DOC),
 )
 
@@ -95,8 +95,8 @@ CHUNK_META = (
 ENGINE_OUTPUTS = (
     TensorSpec("AUDIO", "FP32", (-1,), doc="float32 mono samples in [-1, 1]"),
     *CHUNK_META,
-    TensorSpec("AUDIO_FORMAT", "STRING", doc="the requested encoding, for the front model"),
-    TensorSpec("STREAM_ID", "STRING", doc="opaque id of the stream in its engine instance (the front model "
+    TensorSpec("AUDIO_FORMAT", "STRING", doc="the requested encoding, for a caller that encodes"),
+    TensorSpec("STREAM_ID", "STRING", doc="opaque id of the stream in its engine instance (a BLS caller "
                "uses it to pass its client's cancellation on)"),
 )
 

@@ -293,8 +293,7 @@ class TritonServer:
             self._note(f"removed {len(left)} shared-memory region(s) that killed stubs left in {SHM_DIR}")
 
     def _wait_streams_closed(self, timeout: float = 5.0, settle_s: float = 0.3) -> float | None:
-        """Until the engine and front models report no open stream (the front's last final sent), and a moment
-        more. Returns the seconds it took, None if streams were still open at the timeout."""
+        """Until every engine (the front models' included) reports no open stream, and a moment more. Returns the seconds it took, None if streams were still open at the timeout."""
         t0 = time.monotonic()
         took = None
         while time.monotonic() - t0 < timeout and self.proc.poll() is None:
@@ -303,7 +302,7 @@ class TritonServer:
             except OSError:
                 break
             open_streams = sum(float(v) for v in re.findall(
-                r"^voxbackend_(?:active|front)_streams(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE))
+                r"^voxbackend_active_streams(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE))
             if open_streams == 0:
                 took = time.monotonic() - t0
                 break

@@ -2,7 +2,7 @@
 
 The engine thread only puts events into a queue (never blocks on Triton); this thread turns them into
 responses, polls every open stream's is_cancelled() and cancels in the engine, sends probes for streams behind
-the front model that have nothing to send (cancel_channel), updates the metrics, and ends every stream with exactly
+a BLS caller that have nothing to send (cancel_channel), updates the metrics, and ends every stream with exactly
 one final response even when the engine dies. One sender thread, not one per
 request: concurrent sends from many threads crashed the Python backend stub.
 """
@@ -21,11 +21,11 @@ from voxbackend.events import Event, EventKind
 from voxbackend.triton.drain import DRAINING, grace_expired
 
 log = logging.getLogger("voxbackend.triton")
-PROBE = "probe"  # FINISH_REASON of a probe response: no audio, dropped by the front model
+PROBE = "probe"  # FINISH_REASON of a probe response: no audio, dropped by the BLS caller
 SHUTDOWN = "shutdown"  # FINISH_REASON of streams ended because the server is stopping
-# A stream behind the front model that fails gets a normal final response whose FINISH_REASON is this prefix and
-# the message; the front model sends its client the error. In 2.51 an error response of the engine after its
-# first one never reached the front model's BLS call (seen here: an engine failure, the drain's grace period).
+# A stream of a BLS caller (CANCEL_PROBES) that fails gets a normal final response whose FINISH_REASON is this prefix and
+# the message, for the caller to send its client as an error. In 2.51 an error response of the engine after its
+# first one never reached the BLS call (seen here: an engine failure, the drain's grace period).
 ERROR_PREFIX = "error: "
 
 
@@ -62,7 +62,7 @@ class Stream:
     sample_rate: int
     stream_id: str = ""  # sent with every response (see cancel_channel)
     seed: int = 0  # the request's sampling seed, returned with every response
-    probes: bool = False  # behind the front model: probe while there is nothing to send (see cancel_channel)
+    probes: bool = False  # a BLS caller's stream: probe while there is nothing to send (see cancel_channel)
     last_sent: float | None = None  # clock time of the last response (None: none yet)
     chunks: int = 0
     first_sent: float | None = None
@@ -138,7 +138,7 @@ class ResponseLoop:
         self._queue.put(_Reply(responder, error))
 
     def request_cancel(self, request_id: str) -> None:
-        """Cancel from outside Triton's own signal (the front model, via cancel_channel)."""
+        """Cancel from outside Triton's own signal (a BLS caller, via cancel_channel)."""
         self._queue.put(_Cancel(request_id))
 
     def request_shutdown(self) -> None:
@@ -261,7 +261,7 @@ class ResponseLoop:
     def _fail(self, s: Stream, message: str) -> None:
         self._streams.pop(s.request_id, None)
         self.metrics.finished("error")
-        if s.probes:  # behind the front model (ERROR_PREFIX)
+        if s.probes:  # a BLS caller's stream (ERROR_PREFIX)
             empty = np.zeros(0, dtype=np.float32)
             self._safe_send(s, self._outputs(s, empty, s.chunks, final=True, reason=ERROR_PREFIX + message), None,
                             final=True)

@@ -23,7 +23,7 @@ CONTROLS = ("START", "END", "READY", "CORRID")
 DEFAULT_IDLE_US = 1_000_000  # Triton's own default when the config gives none
 
 
-class EncodedAudioResponder(TritonResponder):
+class BatchedAudioResponder(TritonResponder):
     """The engine stream's outputs as the front model sends them (encoded AUDIO bytes), with the batch dimension
     a max_batch_size > 0 model's outputs have."""
 
@@ -74,7 +74,7 @@ class TextStreamModel(EngineModel):
             value = raw(name)
             return None if value is None else value[0]
 
-        responder = EncodedAudioResponder(self.pb, request.get_response_sender())
+        responder = BatchedAudioResponder(self.pb, request.get_response_sender())
         if not _flag(get, "READY"):
             self.loop.reply(responder)  # a null request filling an idle slot
             return

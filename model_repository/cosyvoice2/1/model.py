@@ -1,2 +1,2 @@
-"""cosyvoice2: what clients call; runs cosyvoice2_preprocess and cosyvoice2_engine by BLS."""
+"""cosyvoice2: what clients call; hosts its own engine and sends encoded audio."""
 from voxbackend.triton.front_model import FrontModel as TritonPythonModel  # noqa: F401

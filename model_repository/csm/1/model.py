@@ -1,2 +1,2 @@
-"""csm: what clients call; runs csm_preprocess and csm_engine by BLS."""
+"""csm: what clients call; hosts its own engine and sends encoded audio."""
 from voxbackend.triton.front_model import FrontModel as TritonPythonModel  # noqa: F401

@@ -1,2 +1,2 @@
-"""orpheus: what clients call; runs orpheus_preprocess and orpheus_engine by BLS."""
+"""orpheus: what clients call; hosts its own engine and sends encoded audio."""
 from voxbackend.triton.front_model import FrontModel as TritonPythonModel  # noqa: F401

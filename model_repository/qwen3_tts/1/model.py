@@ -1,2 +1,2 @@
-"""qwen3_tts: what clients call; runs qwen3_tts_preprocess and qwen3_tts_engine by BLS."""
+"""qwen3_tts: what clients call; hosts its own engine and sends encoded audio."""
 from voxbackend.triton.front_model import FrontModel as TritonPythonModel  # noqa: F401
