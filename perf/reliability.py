@@ -124,7 +124,7 @@ def scrape(metrics_url: str) -> list[tuple[str, str, float]]:
 
 
 def metric_total(metrics_url: str, name: str, **labels: str) -> float:
-    """Sum over every engine model (orpheus_engine, csm_engine) of one metric, filtered by labels."""
+    """Sum over every engine model (orpheus, orpheus_engine, csm, ...) of one metric, filtered by labels."""
     return sum(v for n, lab, v in scrape(metrics_url)
                if n == name and all(f'{k}="{val}"' in lab for k, val in labels.items()))
 
@@ -754,7 +754,7 @@ def probe_cancel_storm(suite: Suite) -> list[Result]:
     before = metric_total(suite.metrics_url, "voxbackend_requests_finished_total", reason="cancelled")
     jobs = []
     for i in range(16):
-        model = "orpheus" if i < 12 else "orpheus_engine"  # the front model's cancellation path and the direct one
+        model = "orpheus" if i < 12 else "orpheus_engine"  # the front model and the direct engine
         inputs = long_inputs(i, model, 700) if i % 2 else short_inputs(i, "fp32" if model == "orpheus" else None)
         jobs.append(lambda inputs=inputs, i=i, model=model: stream_request(
             suite.url, model, inputs, "fp32", timeout=240, cancel_after_chunks=2 if i % 2 else None,
@@ -797,7 +797,7 @@ def probe_kill_running(suite: Suite) -> list[Result]:
 
 FILL_TEXT = "hello " * 660  # 3,960 characters, ~2,650 prompt tokens (166 KV pages): about 6 fit in the 1024-page pool
 FILLERS = 10  # long-prompt streams in the burst: their prompts alone need 1.6x the pool
-FILL_ENGINE = "orpheus_engine"  # the engine whose pool they fill (its own gauges: csm_engine has a pool too)
+FILL_ENGINE = "orpheus"  # the engine whose pool they fill: the front model hosts its own (docs/triton.md)
 FULL_FRACTION = 0.9  # of the pool's pages in use, with a stream held back, counts as full
 
 
@@ -867,7 +867,7 @@ def release(streams: list[HeldStream]) -> None:
 def probe_kill_queued(suite: Suite) -> list[Result]:
     t0 = time.monotonic()
     pool = fill_pool(suite)
-    models = ["orpheus", "orpheus", "orpheus", "orpheus_engine", "orpheus_engine"]
+    models = ["orpheus"] * 5  # behind the fillers, in the front model's own engine
     later = took_later = None
     try:
         base = suite.gauges().queued
@@ -885,7 +885,7 @@ def probe_kill_queued(suite: Suite) -> list[Result]:
             later, took_later = wait_until(lambda: suite.gauges().queued <= gone, 10, step=0.1)
     finally:
         pool.release()
-    observed = (f"{pool}; 5 client processes queued behind them (3 through `orpheus`, 2 direct): queued gauge {before:g} "
+    observed = (f"{pool}; 5 client processes queued behind them (through `orpheus`): queued gauge {before:g} "
                 "before kill -9, "
                 + (f"{after:g} after {took:.2f} s" if freed else f"{after:g} 1 s after it"
                    + (f", {gone:g} after {took_later:.1f} s" if later else f", not {gone:g} within 10 s (until "
@@ -910,7 +910,7 @@ def probe_overload(suite: Suite) -> list[Result]:
         full, _ = wait_until(lambda: suite.gauges().queued >= MAX_QUEUE, 60, step=0.1)
         extras = [stream_request(suite.url, m, short_inputs(60 + i), "fp32", timeout=30, linger_s=0.2,
                                  cancel_after_chunks=1, request_id=f"extra{i}")
-                  for i, m in enumerate(["orpheus", "orpheus", "orpheus_engine", "orpheus_engine"])]
+                  for i, m in enumerate(["orpheus"] * 4)]  # the full queue is the front model's engine's
     finally:
         pool.release()
     for t in threads:
@@ -1013,8 +1013,9 @@ def probe_engine_fault(suite: Suite) -> list[Result]:
         for t in threads:
             t.start()
         time.sleep(0.5)
-        killer = stream_request(server.grpc_url, "orpheus_engine", make_inputs("__die__ please", MAX_TOKENS=7),
-                                timeout=30, request_id="killer")
+        # one killer per model: the front model hosts its own engine (docs/triton.md)
+        killers = [stream_request(server.grpc_url, m, make_inputs("__die__ please", MAX_TOKENS=7), timeout=30,
+                                  request_id=f"killer {m}") for m in ("orpheus", "orpheus_engine")]
         for t in threads:
             t.join(60)
         dead, took = wait_until(lambda: gauges(server.metrics_url).alive == 0, 5)
@@ -1027,8 +1028,8 @@ def probe_engine_fault(suite: Suite) -> list[Result]:
     ended = [v is not None and v.chunks and v.error and "engine failed" in v.error and v.responses == len(v.chunks) + 1
              for v in victims]
     refused = [a.error is not None and "EngineDead" in a.error for a in after]
-    ok = alive_before == 1 and dead and killer.error is not None and all(ended) and all(refused)
-    observed = (f"engine_alive {alive_before:g} -> " + (f"0 after {took:.1f} s" if dead else "still 1")
+    ok = alive_before == 2 and dead and all(k.error is not None for k in killers) and all(ended) and all(refused)
+    observed = (f"engine_alive {alive_before:g} -> " + (f"0 after {took:.1f} s" if dead else "not 0")
                 + f"; {sum(ended)}/2 open streams (front, direct) had audio then one final error"
                 + (f" (e.g. {short(next((v.error for v, e in zip(victims, ended) if not e and v), None), 80)})"
                    if not all(ended) else "")
@@ -1045,7 +1046,7 @@ def probe_shutdown_busy(suite: Suite) -> list[Result]:
     pool = fill_pool(suite)
     cancelled = pool.playing[0]
     cancelled.cancel()  # one cancelled: its pages go to a waiting one
-    late = [HeldStream(suite.url, "orpheus" if i == 0 else "orpheus_engine",
+    late = [HeldStream(suite.url, "orpheus",
                        make_inputs(FILL_TEXT, None, "fp32", MAX_TOKENS=LONG_TOKENS, SEED=600 + i, TOP_K=TOP_K),
                        f"late{i}") for i in range(2)]  # two more that wait
     queued_ok, _ = wait_until(lambda: suite.gauges().queued >= 2, 60, step=0.1)
