@@ -197,15 +197,17 @@ class Busy:
     long_text: str
     long_tokens: int
     short_tokens: int
+    models: tuple[str, str] = ("orpheus", "orpheus_engine")  # the "front" and the "direct" streams' models
 
 
 # the fake holds one stream per max_batch slot and sends one chunk per prompt id
 FAKE_BUSY = Busy({**FAKE, "max_batch": "1"}, "a long stream " * 28, 7000, 70)
-# The real tiny Orpheus: one stream per engine (max_batch 1; `orpheus` and `orpheus_engine` each have one), so the
-# second stream sent to each waits; playback_margin_s keeps every stream pressing, so a newcomer waits rather than
-# preempts a running one. 400 + 600 tokens fit the 64-page pool alone (a request that never could is refused).
-REAL_BUSY = Busy({"kv_pages": "64", "max_batch": "1", "max_queue": "8", "playback_margin_s": "1000"},
-                 "hello " * 100, 600, 35)
+# The real tiny Orpheus, every stream through `orpheus` (one engine: alone, a long stream of this tiny model ends
+# within a second or two): two ~400-token prompts take 50 of 64 KV pages, so a third (25 pages for its prompt,
+# one free page per running stream on top) waits; playback_margin_s keeps every stream pressing, so a newcomer
+# waits rather than preempts a running one. 400 + 600 tokens fit the pool alone (one that never could is refused).
+REAL_BUSY = Busy({"kv_pages": "64", "max_queue": "8", "playback_margin_s": "1000"}, "hello " * 100, 600, 35,
+                 models=("orpheus", "orpheus"))
 
 
 def _serve_busy_then_sigint(tmp_path: Path, busy: Busy) -> tuple[int, float, str, dict[str, StreamOutcome], int]:
@@ -226,17 +228,20 @@ def _serve_busy_then_sigint(tmp_path: Path, busy: Busy) -> tuple[int, float, str
             t.start()
             return t
 
-        threads = [stream("running front", "orpheus", busy.long_text, busy.long_tokens),
-                   stream("running direct", "orpheus_engine", busy.long_text, busy.long_tokens)]
+        front, direct = busy.models
+        threads = [stream("running front", front, busy.long_text, busy.long_tokens),
+                   stream("running direct", direct, busy.long_text, busy.long_tokens)]
         assert wait_for(lambda: metric(metrics_url, "voxbackend_ttfa_seconds_count") >= 2, 60) is not None, \
             "the two long streams did not start playing"
-        for model in ("orpheus", "orpheus_engine"):
+        for model in busy.models:
             _queued_then_cancelled(url, model, busy.long_text, busy.short_tokens)
-        threads += [stream("queued front", "orpheus", busy.long_text, busy.short_tokens),
-                    stream("queued direct", "orpheus_engine", busy.long_text, busy.short_tokens)]
+        threads += [stream("queued front", front, busy.long_text, busy.short_tokens),
+                    stream("queued direct", direct, busy.long_text, busy.short_tokens)]
+        # a long stream of the tiny model is short: check the queue before anything slower
+        assert wait_for(lambda: metric(metrics_url, "voxbackend_queued_requests") >= 2, 30) is not None, \
+            {k: (v.error, v.finish_reason, len(v.chunks)) for k, v in outs.items()}
         refused = [_refused_then_cancelled(url, m) for m in ("orpheus", "orpheus_engine")]
         assert all(r and "data-type is 'FP64'" in r for r in refused), refused
-        assert wait_for(lambda: metric(metrics_url, "voxbackend_queued_requests") >= 2, 30) is not None
         assert all(t.is_alive() for t in threads), f"a stream ended before SIGINT: {sorted(outs)}"
         code, took = served.stop(signal.SIGINT)
         for t in threads:
