@@ -3,7 +3,8 @@
 Both sides serve the tiny default Orpheus checkpoint (the same folder) through a real tritonserver, one side at a
 time, and take the same seeded open-loop Poisson load (clients/loadgen.py); the sides alternate round by round,
 so a noisy shared machine hits both alike. Written for the change from the `orpheus` ensemble (preprocess ->
-engine -> audio_postprocess, one internal request per chunk) to the front model (preprocess and engine by BLS).
+engine -> audio_postprocess, one internal request per chunk) to the front model (its own engine, no internal
+request).
 
     git worktree add /tmp/base 3ff87f8
     python perf/serving_ab.py --base /tmp/base --rates 0.8,1.6 --duration 30 --rounds 2
