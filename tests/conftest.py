@@ -1,5 +1,6 @@
 """Shared fixtures. Tests never touch the network: the checkpoints are built locally from a seed."""
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -34,3 +35,18 @@ def tiny_csm(tmp_path_factory):
     from voxbackend.tools.tiny_csm import write_tiny_csm
 
     return write_tiny_csm(tmp_path_factory.mktemp("tiny_csm"), seed=0)
+
+
+# The slow tier: modules that start a tritonserver (directly, through the launcher, or through a perf script).
+# `bash scripts/test.sh --quick` runs everything else (`-m "not triton"`).
+_STARTS_TRITON = re.compile(r"TritonServer|start_serve|start_server|triton_util|run_cpu_suite|reliability|serving_ab")
+_starts_triton: dict[str, bool] = {}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = str(item.path)
+        if path not in _starts_triton:
+            _starts_triton[path] = bool(_STARTS_TRITON.search(item.path.read_text(encoding="utf-8")))
+        if _starts_triton[path]:
+            item.add_marker(pytest.mark.triton)
