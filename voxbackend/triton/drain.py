@@ -66,20 +66,32 @@ class DrainWatch:
         self._address = address if address is not None else server_http_address()
         self._on_drain = on_drain
         self._poll_s = poll_s
+        self._seen_open = False  # the endpoint starts after the models load: only open -> refused is a stop
+        self._fired = False
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="voxbackend-drain-watch", daemon=True)
         if self._address is not None:
             self._thread.start()
 
-    def _run(self) -> None:
-        seen_open = False  # the endpoint starts after the models load: only open -> refused is a stop
-        while not self._stop.wait(self._poll_s):
-            state = http_port_open(self._address)
+    def check(self) -> bool:
+        """Look now (a loopback connect): True once the server is stopping. The model calls it as a request
+        arrives, so a request sent after readiness failed is refused even between two polls."""
+        if self._fired or self._address is None:
+            return self._fired
+        state = http_port_open(self._address)
+        with self._lock:
             if state:
-                seen_open = True
-            elif state is False and seen_open:
+                self._seen_open = True
+            elif state is False and self._seen_open and not self._fired:
+                self._fired = True
                 log.info("the server is stopping: draining")
                 self._on_drain()
+        return self._fired
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            if self.check():
                 return
 
     def close(self) -> None:

@@ -72,6 +72,7 @@ class EngineModel:
         stream = Stream(request_id, responder, fmt, arrived, self.sample_rate,
                         stream_id=self.cancels.stream_id(request_id))
         self.loop.add(stream)
+        self.drain.check()  # a stop that began since the last poll: refuse this one too
         if self.loop.closing or self.loop.draining:
             return  # the server is stopping: the loop ends the stream at once
         try:

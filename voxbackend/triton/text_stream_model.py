@@ -75,6 +75,7 @@ class TextStreamModel(EngineModel):
             return None if value is None else value[0]
 
         responder = BatchedAudioResponder(self.pb, request.get_response_sender())
+        self.drain.check()  # a stop that began since the last poll: a new sequence is refused at once
         if not _flag(get, "READY"):
             self.loop.reply(responder)  # a null request filling an idle slot
             return
