@@ -1033,7 +1033,9 @@ def probe_engine_fault(suite: Suite) -> list[Result]:
                 + f"; {sum(ended)}/2 open streams (front, direct) had audio then one final error"
                 + (f" (e.g. {short(next((v.error for v, e in zip(victims, ended) if not e and v), None), 80)})"
                    if not all(ended) else "")
-                + f"; new requests: {sum(refused)}/2 EngineDead; that server stopped with exit {code} in "
+                + f"; new requests: {sum(refused)}/2 EngineDead"
+                + (f" (else: {[short(a.error, 80) for a, r in zip(after, refused) if not r]})" if not all(refused) else "")
+                + f"; that server stopped with exit {code} in "
                 f"{stop_s:.0f} s")
     return [Result("engine_fault", "an engine loop that dies (fake engine, __die__ request): engine_alive 0, every "
                    "open stream ends with one final error after its audio, new requests get EngineDead", observed,

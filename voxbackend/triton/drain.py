@@ -4,8 +4,9 @@ A plain tritonserver that gets SIGTERM (or SIGINT) tells its models nothing unti
 decoupled Python model comes after its last stream ended. Its first act, though, is to close its HTTP endpoint;
 then it refuses new requests at each model's scheduler and lets running streams and started text sequences go
 on. DrainWatch connects to the server's HTTP port (read from the server's command line: the stub's parent) every
-poll_s and calls on_drain once, when the port that accepted connections refuses them, so the engine model can
-bound how long its streams may still run (drain_grace_s). Without an HTTP endpoint (--allow-http=false) it
+poll_s, and again whenever the model calls check() (as each request arrives), and calls on_drain once, when the
+port that accepted connections refuses them, so the engine model refuses new streams and bounds how long its
+open ones may still run (drain_grace_s). Without an HTTP endpoint (--allow-http=false) it
 never fires: streams then run until they end or Triton's --exit-timeout-secs.
 
 Not pb_utils.is_model_ready: in 2.51 the stub's call raised once the server was stopping and then hung the stub's

@@ -71,8 +71,10 @@ class EngineModel:
         responder = self.responder(self.pb, request.get_response_sender())
         stream = Stream(request_id, responder, fmt, arrived, self.sample_rate,
                         stream_id=self.cancels.stream_id(request_id))
+        self.drain.check()  # a stop that began since the last poll: refuse this one too (before add: see below)
         self.loop.add(stream)
-        self.drain.check()  # a stop that began since the last poll: refuse this one too
+        # from here until submit is a race with the loop's housekeeping (a dead engine fails the stream with a
+        # plainer message than EngineDead): keep it short
         if self.loop.closing or self.loop.draining:
             return  # the server is stopping: the loop ends the stream at once
         try:
