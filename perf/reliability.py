@@ -1130,21 +1130,13 @@ def probe_drain(suite: Suite) -> list[Result]:
         wait_until(lambda: metric_total(server.metrics_url, "voxbackend_ttfa_seconds_count") >= 4, 60)
         server.proc.send_signal(signal.SIGTERM)
         t_sig = time.monotonic()
-
-        def http_ready() -> bool:
-            try:
-                with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=2) as r:
-                    return r.status == 200
-            except OSError:
-                return False
-
         # readiness fails first, then Triton closes its HTTP port, which is when the engines know (drain.py); a
         # request sent before that may still be admitted and served
-        from voxbackend.triton.drain import http_port_open
+        from voxbackend.triton.drain import http_port_open, server_http_address
 
-        host, port = server.http_url.rsplit(":", 1)
-        wait_until(lambda: http_port_open((host, int(port))) is False, 5)
-        ready = http_ready()
+        http = server_http_address(server.proc.pid)
+        wait_until(lambda: http_port_open(http) is False, 5)
+        ready = server.ready()
         t_late = time.monotonic()
         late = stream_request(server.grpc_url, "orpheus", short_inputs(0), timeout=10)
         late_s = time.monotonic() - t_late

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from clients.tts_stream import StreamOutcome, make_inputs, stream_request, stream_text_pieces  # noqa: E402
 from tests.triton_util import committed_models, start_serve  # noqa: E402
 from voxbackend.triton import configs  # noqa: E402
-from voxbackend.triton.drain import http_port_open  # noqa: E402
+from voxbackend.triton.drain import http_port_open, server_http_address  # noqa: E402
 from voxbackend.triton.fake_engine import TOKENS_PER_CHUNK, FakeStreamingModel  # noqa: E402
 from voxbackend.triton.server import TritonServer  # noqa: E402
 
@@ -77,14 +76,6 @@ def start_streams(url: str, chars: int = len(LONG)) -> tuple[dict[str, StreamOut
     return outs, threads
 
 
-def http_ready(server: TritonServer) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 @pytest.fixture
 def fake_server(tmp_path):
     def start(**settings: str) -> TritonServer:
@@ -105,10 +96,10 @@ def test_sigterm_lets_every_open_stream_finish_refuses_new_ones_and_exits_0(fake
     t0 = time.monotonic()
     # readiness fails first, then Triton closes its HTTP port, which is when the engines know (drain.py); a request
     # sent before that may still be admitted and served (seen under load: readiness false, the port still open)
-    host, port = srv.http_url.rsplit(":", 1)
-    while http_port_open((host, int(port))) is not False and time.monotonic() - t0 < 5:
+    http = server_http_address(srv.proc.pid)
+    while http_port_open(http) is not False and time.monotonic() - t0 < 5:
         time.sleep(0.02)
-    assert not http_ready(srv), "the server still reports ready while it drains"
+    assert not srv.ready(), "the server still reports ready while it drains"
     t_late = time.monotonic()
     late = stream_request(srv.grpc_url, "orpheus", make_inputs("too late", MAX_TOKENS=70), timeout=10)
     refused_in = time.monotonic() - t_late

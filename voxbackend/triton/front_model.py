@@ -20,8 +20,11 @@ from voxbackend.triton.pb_glue import TritonResponder
 class EncodedAudioResponder(TritonResponder):
     """The engine's float chunks as a client gets them: AUDIO as bytes in the stream's AUDIO_FORMAT."""
 
+    def encode(self, outputs: dict) -> dict:
+        return client_outputs(outputs)
+
     def send(self, outputs, error, final):
-        super().send(None if outputs is None else client_outputs(outputs), error, final)
+        super().send(None if outputs is None else self.encode(outputs), error, final)
 
 
 class FrontModel(EngineModel):

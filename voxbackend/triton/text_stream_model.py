@@ -13,9 +13,9 @@ import json
 import threading
 import time
 
-from voxbackend.triton.audio_encoding import client_outputs
 from voxbackend.triton.engine_model import EngineModel
-from voxbackend.triton.pb_glue import TritonResponder, input_getter
+from voxbackend.triton.front_model import EncodedAudioResponder
+from voxbackend.triton.pb_glue import input_getter
 from voxbackend.triton.text_commit import check_normalizer
 from voxbackend.triton.text_sequences import Piece, TextSequences
 
@@ -23,14 +23,12 @@ CONTROLS = ("START", "END", "READY", "CORRID")
 DEFAULT_IDLE_US = 1_000_000  # Triton's own default when the config gives none
 
 
-class BatchedAudioResponder(TritonResponder):
+class BatchedAudioResponder(EncodedAudioResponder):
     """The engine stream's outputs as the front model sends them (encoded AUDIO bytes), with the batch dimension
     a max_batch_size > 0 model's outputs have."""
 
-    def send(self, outputs, error, final):
-        if outputs is not None:
-            outputs = {k: v.reshape(1, -1) for k, v in client_outputs(outputs).items()}
-        super().send(outputs, error, final)
+    def encode(self, outputs: dict) -> dict:
+        return {k: v.reshape(1, -1) for k, v in super().encode(outputs).items()}
 
 
 def _flag(get, name: str) -> bool:
