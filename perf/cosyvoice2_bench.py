@@ -7,7 +7,7 @@ default of `CosyVoice2Model.tts` and of every `CosyVoice2.inference_*` entry poi
 job and runs token2wav once on all tokens, which is what this baseline does without the thread, so its first
 audio is its last. The engine serves a burst of N requests at once (batched LM, ras sampling on device, streamed
 flow + HiFT windows, batched across requests). Both run the same tiny random checkpoint
-(voxbackend.tools.tiny_cosyvoice2), the same stored voice, the same token ids and the same length rules (min
+(voxbackend.models.cosyvoice2.tiny), the same stored voice, the same token ids and the same length rules (min
 2 x, max 20 x the text's tokens, both capped at the same --max-tokens). The reference is imported through
 tests/cosyvoice_oracle.py (cosyvoice-minicpmo, installed --no-deps under the venv's oracles/).
 """
@@ -181,8 +181,8 @@ def run(args, prompts: list[str], dataset: str, log) -> Path:
     import torch
 
     import voxbackend
-    from voxbackend.models.cosyvoice2_frontend import VoicePrompt
-    from voxbackend.tools.tiny_cosyvoice2 import DEFAULT_VOICE, ensure_default_cosyvoice2
+    from voxbackend.models.cosyvoice2.cloning import VoicePrompt
+    from voxbackend.models.cosyvoice2.tiny import DEFAULT_VOICE, ensure_default_cosyvoice2
 
     info = provenance.collect()
     started = time.perf_counter()
@@ -244,7 +244,7 @@ def run(args, prompts: list[str], dataset: str, log) -> Path:
         f"- load average at end: {provenance.load_average()} (the machine is shared: compare ratios, not absolutes)",
         f"- model: tiny random CosyVoice2-0.5B architecture (Qwen2 LM hidden {g.hidden_size} x {g.num_layers} "
         "layers, the real 6561 + 3 speech ids; tiny flow + HiFT at the real 25 Hz / 24 kHz timing), random "
-        "weights, seed 0 (voxbackend.tools.tiny_cosyvoice2); voice: its stored voice " + DEFAULT_VOICE,
+        "weights, seed 0 (voxbackend.models.cosyvoice2.tiny); voice: its stored voice " + DEFAULT_VOICE,
         f"- dataset: {dataset}; request i: sentence i, seed {args.seed} + i; length rules of the reference (min 2 x, "
         f"max 20 x the text's tokens) capped at {cap} tokens ({cap * TOKEN_S:.2f} s); sampling: ras (top-p 0.8, "
         "top-k 25, window 10, tau_r 0.1) on both sides, the end id masked before min_len on both (upstream redraws "

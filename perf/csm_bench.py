@@ -3,7 +3,7 @@
 The naive baseline is what a CSM user writes with transformers: CsmForConditionalGeneration.generate (backbone
 and depth decoder, one request at a time), then its Mimi decode of the whole utterance, so its first audio is its
 last. The engine serves a burst of N requests at once (batched backbone, on-device
-depth loop, streaming Mimi windows). Both run the same tiny random checkpoint (voxbackend.tools.tiny_csm) with
+depth loop, streaming Mimi windows). Both run the same tiny random checkpoint (voxbackend.models.csm.tiny) with
 CSM's default sampling (temperature 0.9, top_k 50 on backbone and depth decoder) and the same frame budget.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ def run(args, prompts: list[str], dataset: str, log) -> Path:
     import transformers
 
     import voxbackend
-    from voxbackend.tools.tiny_csm import ensure_default_csm
+    from voxbackend.models.csm.tiny import ensure_default_csm
 
     info = provenance.collect()
     frames = args.max_tokens  # CSM: one LM step per 80 ms frame
@@ -121,7 +121,7 @@ def run(args, prompts: list[str], dataset: str, log) -> Path:
         "# engine_bench --model csm: engine vs naive CSM on CPU", "",
         *provenance.markdown_lines(info),
         "- model: tiny random CSM-1B architecture (backbone hidden 64 x 2 layers, depth 32 x 2, 32 Mimi codebooks, "
-        "tiny Mimi), random weights, seed 0 (voxbackend.tools.tiny_csm)",
+        "tiny Mimi), random weights, seed 0 (voxbackend.models.csm.tiny)",
         f"- dataset: {dataset}; request i: sentence i, speaker i % 2, seed {args.seed} + i; {frames} frames "
         f"({frames * FRAME_S:.2f} s) max per request; sampling temperature 0.9, top_k 50 (backbone and depth)",
         "- arrivals: a burst of N requests at t=0 (closed loop); engine policy " + args.policy,

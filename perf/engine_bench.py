@@ -38,7 +38,7 @@ import provenance  # noqa: E402  (perf/provenance.py)
 SAMPLE_RATE = 24000
 METHOD = """\
 - Model: a random-weight Orpheus-architecture checkpoint (Llama backbone with Orpheus' 156,940-token vocabulary,
-  SNAC 24 kHz layout with a reduced decoder), written by voxbackend.tools.tiny_checkpoint from a fixed seed and
+  SNAC 24 kHz layout with a reduced decoder), written by voxbackend.models.orpheus.tiny from a fixed seed and
   cached. Random weights emit random audio codes and now and then the stop token; both systems run the same
   checkpoint with the same sampling, so their stop statistics are the same.
 - Requests: request i reads sentence i of the dataset, voice VOICES[i % 8], seed = --seed + i, official sampling
@@ -84,7 +84,7 @@ QUICK_SNAC_DIM = 32
 # ----------------------------------------------------------------------------- checkpoint
 def ensure_checkpoint(cache_root: Path, size: str, seed: int) -> tuple[Path, Path]:
     """Build (once) and reuse the random-weight checkpoint for this size and seed; atomic rename into place."""
-    from voxbackend.tools import tiny_checkpoint as tc
+    from voxbackend.models.orpheus import tiny as tc
 
     root = cache_root / f"{size}-seed{seed}"
     dirs = (root / "orpheus", root / "snac_24khz")
@@ -438,7 +438,7 @@ def parse_args(argv: list[str] | None):
                          "--max-tokens = frames; cosyvoice2: perf/cosyvoice2_bench.py (tiny CosyVoice2 vs the "
                          "upstream LM + tts(stream=False)), --max-tokens caps its 25 Hz speech tokens")
     ap.add_argument("--size", default="bench", choices=["bench", "tiny", "quick"],
-                    help="checkpoint size: voxbackend.tools.tiny_checkpoint SIZES, or 'quick' (smoke test)")
+                    help="checkpoint size: voxbackend.models.orpheus.tiny SIZES, or 'quick' (smoke test)")
     ap.add_argument("--streams", default="1,8,32", help="comma-separated concurrent stream counts")
     ap.add_argument("--max-tokens", type=int, default=256,
                     help="LM tokens per request (7 per 85 ms frame; 256 ~ 3 s of audio, like perf/data/pa_orpheus_max256.json)")
@@ -625,8 +625,8 @@ def main(argv: list[str] | None = None) -> Path:
         f"MLP {hf.intermediate_size}, vocab {hf.vocab_size}; {lm_params / 1e6:.1f}M parameters "
         f"({embed / 1e6:.1f}M of them the tied embedding / LM head)",
         f"- codec: SNAC 24 kHz layout with decoder_dim {codec_dim} (published: 1024), {codec_params / 1e6:.2f}M "
-        "decoder parameters; the engine's voxbackend.codecs.snac, the naive side `snac.SNAC`, same files",
-        f"- weights: random (voxbackend.tools.tiny_checkpoint, seed {args.seed}), cached at {model_dir.parent}",
+        "decoder parameters; the engine's voxbackend.models.orpheus.snac, the naive side `snac.SNAC`, same files",
+        f"- weights: random (voxbackend.models.orpheus.tiny, seed {args.seed}), cached at {model_dir.parent}",
         f"- dataset: {dataset}; voice of request i: VOICES[i % 8]",
         f"- arrival process: burst (all N at t=0), closed loop; seeds: request i uses seed {args.seed} + i on both sides",
         f"- sampling (both): temperature {OFFICIAL['temperature']}, top_p {OFFICIAL['top_p']}, repetition_penalty "

@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 REPOSITORY = HERE / "naive_repository"
 MODEL_NAME = "orpheus_naive"
-DEFAULT_CHECKPOINT = "voxbackend.tools.tiny_checkpoint:ensure_default_checkpoint"
+DEFAULT_CHECKPOINT = "voxbackend.models.orpheus.tiny:ensure_default_checkpoint"
 # Parameters in config.pbtxt. Empty checkpoint: the default tiny checkpoint (same as the engine's default).
 PARAMS = {"checkpoint": "", "codec": "", "default_checkpoint": DEFAULT_CHECKPOINT, "device": "cpu",
           "repo_root": ""}
@@ -41,7 +41,7 @@ VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 # ----------------------------------------------------------------------------- config.pbtxt
 def render_config(params: dict[str, str] | None = None) -> str:
     """config.pbtxt text: the front model's schema, decoupled, one CPU instance (one worker inside it)."""
-    from voxbackend.models.orpheus import OrpheusFrontend
+    from voxbackend.models.orpheus.model import OrpheusFrontend
     from voxbackend.triton import schema
 
     def block(kind: str, specs) -> str:

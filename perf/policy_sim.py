@@ -248,7 +248,7 @@ def calibrate(size: str = "tiny", batches: tuple[int, ...] = (1, 4, 16, 32), tok
     """Fit the cost model to the real tiny Orpheus (random weights) on this machine: run `b` streams at a time,
     time every LM step and codec call, least-squares fit seconds = fixed + per_unit * units."""
     import voxbackend
-    from voxbackend.tools.tiny_checkpoint import ensure_default_checkpoint
+    from voxbackend.models.orpheus.tiny import ensure_default_checkpoint
 
     model_dir, codec_dir = ensure_default_checkpoint(size=size)
     engine = voxbackend.load(model_dir, codec_dir, max_batch=max(batches), detok_batch=16)

@@ -4,7 +4,7 @@ The naive baseline is what a qwen-tts user runs: the reference `Qwen3TTSForCondi
 (non_streaming_mode=False: the dual track; talker and code predictor, one request at a time), then the reference
 12 Hz decoder on the whole utterance, so its first audio is its last. The engine serves a burst of N requests at
 once (batched talker, on-device code predictor, exactly streaming codec windows from the first frame). Both run
-the same tiny random CustomVoice checkpoint (voxbackend.tools.tiny_qwen3_tts) with the official sampling defaults
+the same tiny random CustomVoice checkpoint (voxbackend.models.qwen3_tts.tiny) with the official sampling defaults
 (temperature 0.9, top-k 50, top-p 1, repetition penalty 1.05; the predictor the same without penalty) and the same
 frame budget. The reference is imported through tests/qwen_tts_oracle.py (qwen-tts-hf, installed --no-deps).
 """
@@ -48,7 +48,7 @@ class Naive:
         from transformers import AutoTokenizer
 
         from qwen_tts_oracle import import_qwen_tts, reference_rope  # tests/qwen_tts_oracle.py
-        from voxbackend.codecs.mimi_weights import read_codec_tensors
+        from voxbackend.components.mimi.weights import read_codec_tensors
 
         import_qwen_tts()
         from qwen_tts.core import Qwen3TTSTokenizerV2Config, Qwen3TTSTokenizerV2Model
@@ -103,7 +103,7 @@ def run(args, prompts: list[str], dataset: str, log) -> Path:
     import torch
 
     import voxbackend
-    from voxbackend.tools.tiny_qwen3_tts import ensure_default_qwen3_tts
+    from voxbackend.models.qwen3_tts.tiny import ensure_default_qwen3_tts
 
     info = provenance.collect()
     frames = args.max_tokens  # one talker step per 80 ms frame
@@ -149,7 +149,7 @@ def run(args, prompts: list[str], dataset: str, log) -> Path:
         *provenance.markdown_lines(info),
         "- model: tiny random Qwen3-TTS-12Hz CustomVoice architecture (talker hidden 64 x 2 layers, code predictor "
         "32 x 1, 16 codebooks, tiny 12 Hz codec at the real 24 kHz / 1920-sample timing), random weights, seed 0 "
-        "(voxbackend.tools.tiny_qwen3_tts)",
+        "(voxbackend.models.qwen3_tts.tiny)",
         f"- dataset: {dataset}; request i: sentence i, voice {VOICES[0]} / {VOICES[1]} alternating, language auto, "
         f"seed {args.seed} + i; {frames} frames ({frames * FRAME_S:.2f} s) max per request; official sampling "
         "defaults (temperature 0.9, top-k 50, top-p 1, repetition penalty 1.05)",

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from voxbackend.codecs.qwen3_tts_codec import Qwen3TTSCodec
-from voxbackend.tools.tiny_qwen3_tts import write_tiny_qwen3_tts
+from voxbackend.models.qwen3_tts.codec import Qwen3TTSCodec
+from voxbackend.models.qwen3_tts.tiny import write_tiny_qwen3_tts
 
 
 def main() -> None:

@@ -177,7 +177,7 @@ def stall_positions(raw: dict[float, list[dict]]) -> str:
 # ----------------------------------------------------------------------------- checkpoint
 def checkpoint(size: str) -> tuple[Path, Path]:
     """tiny: the project's default checkpoint (what the servers load when none is configured); others: cached."""
-    from voxbackend.tools import tiny_checkpoint as tc
+    from voxbackend.models.orpheus import tiny as tc
 
     if size == "tiny":
         m, c = tc.ensure_default_checkpoint()
@@ -615,7 +615,7 @@ class Suite:
                 ("date", "commit", "dirty", "cpu", "gpu", "load_average_at_start", "python", "torch", "host_os")]
         prov += [f"- load average now: {provenance.load_average()}",
                  f"- model: {getattr(self, 'model_desc', st.size)}",
-                 "- weights: random (voxbackend.tools.tiny_checkpoint, seed 0); random weights emit random audio "
+                 "- weights: random (voxbackend.models.orpheus.tiny, seed 0); random weights emit random audio "
                  "codes and now and then the stop token, the same for engine and naive",
                  f"- dataset: perf/data/prompts.txt ({len(self.prompts)} sentences written for this project)",
                  "- arrival process: Poisson, open loop (goodput, ablation, perf_analyzer request-rate); "

@@ -24,7 +24,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tiny_orpheus(tmp_path_factory):
     """(model_dir, codec_dir): tiny random Orpheus LM + SNAC 24 kHz (decoder_dim 64), seed 0."""
-    from voxbackend.tools.tiny_checkpoint import write_default
+    from voxbackend.models.orpheus.tiny import write_default
 
     return write_default(tmp_path_factory.mktemp("tiny_orpheus"), seed=0, size="tiny")
 
@@ -32,7 +32,7 @@ def tiny_orpheus(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_csm(tmp_path_factory):
     """A tiny random CSM-1B-architecture checkpoint (HF layout, Mimi inside), seed 0."""
-    from voxbackend.tools.tiny_csm import write_tiny_csm
+    from voxbackend.models.csm.tiny import write_tiny_csm
 
     return write_tiny_csm(tmp_path_factory.mktemp("tiny_csm"), seed=0)
 

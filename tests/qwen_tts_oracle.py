@@ -109,7 +109,7 @@ def reference_codec(folder):
 
     import torch
 
-    from voxbackend.codecs.mimi_weights import read_codec_tensors
+    from voxbackend.components.mimi.weights import read_codec_tensors
 
     import_qwen_tts()
     from qwen_tts.core import Qwen3TTSTokenizerV2Config, Qwen3TTSTokenizerV2Model

@@ -1,4 +1,4 @@
-"""CosyVoice2 LM and whole-pipeline parity, on the tiny checkpoint of voxbackend.tools.tiny_cosyvoice2 (official
+"""CosyVoice2 LM and whole-pipeline parity, on the tiny checkpoint of voxbackend.models.cosyvoice2.tiny (official
 folder layout), loaded unchanged by our engine and by upstream CosyVoice (`cosyvoice-minicpmo`):
 
 - LM: our engine's greedy tokens equal upstream `Qwen2LM.inference` (its HF Qwen2 backbone, its min/max length
@@ -16,10 +16,10 @@ from cosyvoice_oracle import upstream_cosyvoice2_model, upstream_qwen2lm
 from voxbackend.engine.detokenize import window_seed
 from voxbackend.errors import InvalidRequest
 from voxbackend.models.base import Prompt
-from voxbackend.models.cosyvoice2 import SPEECH_TOKENS
-from voxbackend.models.cosyvoice2_frontend import VoicePrompt
+from voxbackend.models.cosyvoice2.model import SPEECH_TOKENS
+from voxbackend.models.cosyvoice2.cloning import VoicePrompt
 from voxbackend.sampling_params import SamplingParams
-from voxbackend.tools.tiny_cosyvoice2 import DEFAULT_VOICE, write_tiny_cosyvoice2
+from voxbackend.models.cosyvoice2.tiny import DEFAULT_VOICE, write_tiny_cosyvoice2
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 ATOL = 1e-4
@@ -191,7 +191,7 @@ def test_prepare_refuses_bad_voice_input_naming_the_field(engine):
     with pytest.raises(InvalidRequest) as e:
         m.prepare("Hello.", reference_audio=b"not audio at all", reference_text="hi")
     assert e.value.field == "reference_audio"
-    from voxbackend.tools.tiny_cosyvoice2 import voice_clip
+    from voxbackend.models.cosyvoice2.tiny import voice_clip
     import io
 
     import soundfile as sf

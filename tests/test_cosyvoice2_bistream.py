@@ -1,5 +1,5 @@
 """CosyVoice2 text input streaming (bistream) vs upstream `Qwen2LM.inference_bistream`, greedy, on the tiny
-checkpoint of voxbackend.tools.tiny_cosyvoice2 with the fill token made reachable (the tiny weights push it out of
+checkpoint of voxbackend.models.cosyvoice2.tiny with the fill token made reachable (the tiny weights push it out of
 reach: a real model emits it in bistream mode only). Upstream runs with its sampling replaced by argmax (the end
 id excluded while it passes ignore_eos; after the text, where upstream raises on a fill, the fill excluded, as
 ours does), on transformers' Qwen2 with the cache-indexing stand-in.
@@ -19,10 +19,10 @@ import torch
 
 from cosyvoice_oracle import legacy_cache_indexing, upstream_qwen2lm
 from voxbackend.errors import InvalidRequest
-from voxbackend.models.cosyvoice2 import SPEECH_TOKENS
-from voxbackend.models.cosyvoice2_frontend import VoicePrompt
+from voxbackend.models.cosyvoice2.model import SPEECH_TOKENS
+from voxbackend.models.cosyvoice2.cloning import VoicePrompt
 from voxbackend.sampling_params import SamplingParams
-from voxbackend.tools.tiny_cosyvoice2 import DEFAULT_VOICE, write_tiny_cosyvoice2
+from voxbackend.models.cosyvoice2.tiny import DEFAULT_VOICE, write_tiny_cosyvoice2
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 FILL_BIAS = 21.0  # the fill's logit bias: it comes now and then, and is forced at other times

@@ -1,5 +1,5 @@
 """CosyVoice2 detokenizer (flow matching + HiFT) parity, on tiny random weights written by
-voxbackend.tools.tiny_cosyvoice2_codec and loaded, unchanged, by our code and by the oracles:
+voxbackend.models.cosyvoice2.tiny_codec and loaded, unchanged, by our code and by the oracles:
 
 - upstream CosyVoice (`cosyvoice-minicpmo`): its CosyVoice2Model drives its own streaming (`tts(stream=True)`:
   windows, hop + prompt pad, flow re-encoding, HiFT mel/source/speech cache, cross-fade, flush) and its
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from cosyvoice_oracle import load_flashcosyvoice, upstream_cosyvoice2_model
-from voxbackend.codecs.flow_matching import FlowRow
-from voxbackend.codecs.token2wav import Token2Wav, load_token2wav
+from voxbackend.components.flow_hift.flow_matching import FlowRow
+from voxbackend.components.flow_hift.token2wav import Token2Wav, load_token2wav
 from voxbackend.errors import InvalidRequest
-from voxbackend.tools.tiny_cosyvoice2_codec import write_tiny_codec
+from voxbackend.models.cosyvoice2.tiny_codec import write_tiny_codec
 
 ATOL = 1e-4
 
@@ -168,7 +168,7 @@ def test_stream_without_tokens_ends_silently(ours):
 
 
 def test_tiny_checkpoint_is_deterministic():
-    from voxbackend.tools.tiny_cosyvoice2_codec import tiny_state_dicts
+    from voxbackend.models.cosyvoice2.tiny_codec import tiny_state_dicts
     _, flow_a, hift_a = tiny_state_dicts(seed=3)
     _, flow_b, hift_b = tiny_state_dicts(seed=3)
     for a, b in ((flow_a, flow_b), (hift_a, hift_b)):

@@ -1,5 +1,5 @@
 """CosyVoice2 voice-cloning front end against its references, on tiny random weights written by
-voxbackend.tools.tiny_cosyvoice2_frontend and loaded unchanged by every side (offline, CPU).
+voxbackend.models.cosyvoice2.tiny_cloning and loaded unchanged by every side (offline, CPU).
 
 - S3 tokenizer v2: tokens equal `s3tokenizer==0.3.0`'s S3TokenizerV2 (padded batch and one clip); our log-mel
   equals its log_mel_spectrogram.
@@ -23,11 +23,11 @@ from transformers.audio_utils import mel_filter_bank
 
 from cosyvoice_frontend_oracle import ORACLES, load_campplus_reference, load_matcha_audio, load_s3tokenizer
 from voxbackend.audio_io import resample
-from voxbackend.codecs.kaldi_fbank import kaldi_fbank
-from voxbackend.codecs.mel_features import flow_mel, slaney_mel_filters, whisper_log_mel
+from voxbackend.components.features.kaldi_fbank import kaldi_fbank
+from voxbackend.components.features.mel_features import flow_mel, slaney_mel_filters, whisper_log_mel
 from voxbackend.errors import InvalidRequest
-from voxbackend.models.cosyvoice2_frontend import CosyVoice2Frontend, VoicePrompt, load_cosyvoice2_frontend
-from voxbackend.tools.tiny_cosyvoice2_frontend import write_tiny_frontend
+from voxbackend.models.cosyvoice2.cloning import VoiceCloner, VoicePrompt, load_voice_cloner
+from voxbackend.models.cosyvoice2.tiny_cloning import write_tiny_cloner
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
@@ -35,12 +35,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return write_tiny_frontend(tmp_path_factory.mktemp("cosyvoice2_frontend"), seed=0)
+    return write_tiny_cloner(tmp_path_factory.mktemp("cosyvoice2_frontend"), seed=0)
 
 
 @pytest.fixture(scope="module")
-def frontend(folder) -> CosyVoice2Frontend:
-    return load_cosyvoice2_frontend(folder)
+def frontend(folder) -> VoiceCloner:
+    return load_voice_cloner(folder)
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +212,7 @@ def wav_bytes(audio: np.ndarray, rate: int) -> bytes:
 
 
 def test_named_voice_is_computed_once_and_stored_voices_load_without_a_clip(folder, tmp_path):
-    frontend = load_cosyvoice2_frontend(folder)
+    frontend = load_voice_cloner(folder)
     clip = wav_bytes(speechlike(1.5, 44100, seed=9), 44100)  # another rate: resampled to 16 and 24 kHz
     first = frontend.voice("alice", clip, transcript="hi")
     assert frontend.computed == 1
@@ -225,7 +225,7 @@ def test_named_voice_is_computed_once_and_stored_voices_load_without_a_clip(fold
 
     path = frontend.save_voice("alice", first)
     assert path == folder / "voices" / "alice.safetensors"
-    fresh = load_cosyvoice2_frontend(folder)  # a new server: knows alice from the file, not bob
+    fresh = load_voice_cloner(folder)  # a new server: knows alice from the file, not bob
     assert fresh.stored_voices() == ["alice"]
     stored = fresh.voice("alice")
     assert fresh.computed == 0 and stored.transcript == "hi"
@@ -237,8 +237,8 @@ def test_named_voice_is_computed_once_and_stored_voices_load_without_a_clip(fold
 
 
 def test_voice_cache_is_bounded(folder):
-    loaded = load_cosyvoice2_frontend(folder)
-    frontend = CosyVoice2Frontend(replace(loaded.cfg, max_cached_voices=2), loaded.tokenizer, loaded.speaker)
+    loaded = load_voice_cloner(folder)
+    frontend = VoiceCloner(replace(loaded.cfg, max_cached_voices=2), loaded.tokenizer, loaded.speaker)
     clip = speechlike(0.5, 16000, seed=11)
     for name in ("a", "b", "c"):
         frontend.voice(name, clip, 16000, "x")

@@ -8,7 +8,7 @@ import torch
 
 import voxbackend
 from voxbackend import EventKind, InvalidRequest, SamplingParams
-from voxbackend.models.csm import ContextSegment
+from voxbackend.models.csm.model import ContextSegment
 
 import transformers  # noqa: E402
 TOL = 1e-4
@@ -176,7 +176,7 @@ def test_frontend_needs_no_weights(engine, tiny_csm, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from voxbackend.models.csm import CsmFrontend
+    from voxbackend.models.csm.model import CsmFrontend
     from voxbackend.models.registry import load_frontend
 
     model_dir = tmp_path / "csm"

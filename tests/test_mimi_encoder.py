@@ -9,15 +9,15 @@ import torch
 
 from voxbackend import InvalidRequest
 from voxbackend.audio_io import read_audio, resample
-from voxbackend.codecs.mimi_encoder import MimiEncoder
-from voxbackend.models.csm import ContextSegment
+from voxbackend.components.mimi.encoder import MimiEncoder
+from voxbackend.models.csm.model import ContextSegment
 
 import transformers  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny_mimi(tmp_path_factory):
-    from voxbackend.tools.tiny_mimi import write_tiny_mimi
+    from voxbackend.components.mimi.tiny import write_tiny_mimi
 
     return write_tiny_mimi(tmp_path_factory.mktemp("tiny_mimi"), seed=3)
 
@@ -29,7 +29,7 @@ def ref_mimi(tiny_mimi):
 
 @pytest.fixture(scope="module")
 def csm(tiny_csm):
-    from voxbackend.models.csm import Csm
+    from voxbackend.models.csm.model import Csm
 
     return Csm(tiny_csm)
 
@@ -78,7 +78,7 @@ def test_nested_weight_names_and_csm_prefix(tiny_mimi, ref_mimi, tiny_csm):
 
 def test_decoded_audio_encodes_to_as_many_frames(tiny_mimi):
     """The encoder pairs with our decoder: n frames decode to n * 1920 samples, which encode to n frames."""
-    from voxbackend.codecs.mimi import MimiDecoder
+    from voxbackend.components.mimi.decoder import MimiDecoder
 
     enc, dec = MimiEncoder.from_pretrained(tiny_mimi), MimiDecoder.from_pretrained(tiny_mimi)
     audio = dec.decode(enc.encode(_noise(2, 1, 1, 1920 * 5)))

@@ -6,8 +6,8 @@ import re
 import pytest
 import torch
 
-from voxbackend.codecs.mimi import MimiDecoder
-from voxbackend.tools.tiny_mimi import write_tiny_mimi
+from voxbackend.components.mimi.decoder import MimiDecoder
+from voxbackend.components.mimi.tiny import write_tiny_mimi
 
 TOL = 1e-4
 FRAMES = 24

@@ -49,7 +49,7 @@ def _stream(url: str, fields: dict[str, object]) -> list:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from voxbackend.tools.tiny_checkpoint import ensure_default_checkpoint
+    from voxbackend.models.orpheus.tiny import ensure_default_checkpoint
     model_dir, codec_dir = ensure_default_checkpoint()
     srv = naive_triton.start_server(str(model_dir), str(codec_dir), work_dir=tmp_path_factory.mktemp("naive"))
     yield srv

@@ -7,7 +7,7 @@ the field.
 
 The reference clip mostly enters as arrays (its 12 Hz codes and x-vector), as `voice_clone_prompt` hands them to
 generate; a WAV clip through REFERENCE_AUDIO goes through the voice-clone front end
-(models/qwen3_tts_voice_clone.py, its own parity tests in tests/test_qwen3_tts_voice_clone.py) into the same prompt.
+(models/qwen3_tts/voice_clone.py, its own parity tests in tests/test_qwen3_tts_voice_clone.py) into the same prompt.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from voxbackend.errors import InvalidRequest
 from voxbackend.events import EventKind
 from voxbackend.models.base import FEATURE, QUEUED
 from voxbackend.models.registry import load_frontend, load_model
-from voxbackend.tools.tiny_qwen3_tts import write_tiny_qwen3_tts
+from voxbackend.models.qwen3_tts.tiny import write_tiny_qwen3_tts
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
@@ -254,7 +254,7 @@ def _wav(audio: np.ndarray, rate: int = 24000) -> bytes:
 def test_reference_audio_goes_through_the_voice_clone_front_end(base, model):
     """A WAV clip gives the prompt and conditioning of its codes and x-vector from Qwen3TTSVoiceClone, and the
     stream's codec state starts after those codes; an unreadable clip is refused naming reference_audio."""
-    from voxbackend.models.qwen3_tts_voice_clone import Qwen3TTSVoiceClone
+    from voxbackend.models.qwen3_tts.voice_clone import Qwen3TTSVoiceClone
 
     t = np.arange(int(0.9 * 24000)) / 24000
     audio = (0.3 * np.sin(2 * np.pi * 220 * t * (1 + 0.3 * t))).astype(np.float32)

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from qwen_tts_oracle import reference_codec
-from voxbackend.codecs.mimi_encoder import MimiEncoder
-from voxbackend.codecs.mimi_weights import read_codec_tensors
-from voxbackend.codecs.qwen3_tts_codec import Qwen3TTSCodec
-from voxbackend.tools.tiny_qwen3_tts_codec import write_tiny_qwen3_tts_codec
+from voxbackend.components.mimi.encoder import MimiEncoder
+from voxbackend.components.mimi.weights import read_codec_tensors
+from voxbackend.models.qwen3_tts.codec import Qwen3TTSCodec
+from voxbackend.models.qwen3_tts.tiny_codec import write_tiny_qwen3_tts_codec
 
 TOL = 1e-5
 WINDOW = 72

@@ -25,7 +25,7 @@ from voxbackend.engine.engine import Engine
 from voxbackend.engine.kv_pool import KVPool
 from voxbackend.models.base import QUEUED
 from voxbackend.models.registry import load_model
-from voxbackend.tools.tiny_qwen3_tts import write_tiny_qwen3_tts
+from voxbackend.models.qwen3_tts.tiny import write_tiny_qwen3_tts
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 

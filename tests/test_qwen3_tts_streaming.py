@@ -1,6 +1,6 @@
 """Qwen3-TTS in the engine: the dual text track, text streaming (Engine.append_text), request inputs refused by
 field, and a preempted request that recomputes exactly the rows it was fed. Tiny checkpoint from
-voxbackend.tools.tiny_qwen3_tts; greedy throughout, so runs compare exactly."""
+voxbackend.models.qwen3_tts.tiny; greedy throughout, so runs compare exactly."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ from voxbackend.errors import InvalidRequest
 from voxbackend.events import EventKind
 from voxbackend.models.base import QUEUED
 from voxbackend.models.registry import detect_kind, load_frontend, load_model
-from voxbackend.tools.tiny_qwen3_tts import write_tiny_qwen3_tts
+from voxbackend.models.qwen3_tts.tiny import write_tiny_qwen3_tts
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 

@@ -11,7 +11,7 @@ from tests.qwen_tts_ref import TALKER, write_tiny_qwen3_tts
 from voxbackend.attention.base import SeqSlice
 from voxbackend.attention.torch_backend import TorchPagedAttention
 from voxbackend.engine.kv_pool import KVPool
-from voxbackend.models.qwen3_tts import Qwen3TTSTalker, talker_decoder_config
+from voxbackend.models.qwen3_tts.talker import Qwen3TTSTalker, talker_decoder_config
 
 GROUPS = TALKER["num_code_groups"]
 

@@ -28,13 +28,13 @@ import pytest
 import torch
 
 from qwen_tts_oracle import import_qwen_tts, reference_model, reference_tokenizer, transformers_slaney_mel
-from voxbackend.codecs.ecapa_tdnn import EcapaConfig, EcapaTdnn
-from voxbackend.codecs.mel_features import slaney_mel_filters, speaker_mel
+from voxbackend.components.speaker.ecapa_tdnn import EcapaConfig, EcapaTdnn
+from voxbackend.components.features.mel_features import slaney_mel_filters, speaker_mel
 from voxbackend.audio_io import resample
-from voxbackend.codecs.qwen3_tts_encoder import Qwen3TTSEncoder
+from voxbackend.models.qwen3_tts.codec_encoder import Qwen3TTSEncoder
 from voxbackend.errors import InvalidRequest
-from voxbackend.models.qwen3_tts_voice_clone import Qwen3TTSVoiceClone, VoiceClonePrompt
-from voxbackend.tools.tiny_qwen3_tts import write_tiny_qwen3_tts
+from voxbackend.models.qwen3_tts.voice_clone import Qwen3TTSVoiceClone, VoiceClonePrompt
+from voxbackend.models.qwen3_tts.tiny import write_tiny_qwen3_tts
 
 TOL = 1e-5
 EMBEDDING_RTOL = 2e-6  # of the embedding's largest value: about 16 float32 roundings (3e-7 seen)
@@ -205,8 +205,8 @@ def test_reference_codes_equal_reference_tokenizer(encoder, ref_tokenizer):
 
 def test_reference_codes_attend_to_the_whole_clip(encoder, base):
     """Past 250 transformer steps (10 s) a sliding-window Mimi gives other codes: the comparison above can fail."""
-    from voxbackend.codecs.mimi_encoder import MimiEncoder
-    from voxbackend.codecs.mimi_weights import read_codec_tensors
+    from voxbackend.components.mimi.encoder import MimiEncoder
+    from voxbackend.components.mimi.weights import read_codec_tensors
 
     cfg = json.loads((base / "speech_tokenizer" / "config.json").read_text())["encoder_config"]
     windowed = MimiEncoder(cfg)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import voxbackend
-from voxbackend.models.orpheus import AUDIO_BASE, CODEBOOK, END_OF_SPEECH
+from voxbackend.models.orpheus.model import AUDIO_BASE, CODEBOOK, END_OF_SPEECH
 
 
 @pytest.mark.parametrize("codes_so_far", [[0, 1, 2, 3, 4, 5, 6, 7, 15, 100], [3] * 5, [12]])

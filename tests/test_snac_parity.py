@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from voxbackend.codecs.snac import SnacDecoder
+from voxbackend.models.orpheus.snac import SnacDecoder
 
 import snac  # noqa: E402
 
@@ -73,7 +73,7 @@ def test_loads_safetensors(tiny_orpheus, tmp_path, decoders):
 
 def test_full_size_decoder(tmp_path):
     """The published geometry (decoder_dim 1024) on one 4-frame Orpheus window."""
-    from voxbackend.tools.tiny_checkpoint import write_tiny_snac
+    from voxbackend.models.orpheus.tiny import write_tiny_snac
 
     d = write_tiny_snac(tmp_path / "snac", seed=1, decoder_dim=1024)
     ours, ref = SnacDecoder.from_pretrained(d), snac.SNAC.from_pretrained(str(d)).eval()

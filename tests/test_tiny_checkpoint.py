@@ -7,7 +7,7 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from voxbackend.tools import tiny_checkpoint as tc
+from voxbackend.models.orpheus import tiny as tc
 
 
 def test_orpheus_deterministic(tmp_path, tiny_orpheus):
@@ -86,7 +86,7 @@ def test_naive_baseline_streams(tiny_orpheus):
 
 def test_ensure_default_checkpoint_race_and_reuse(tmp_path):
     root = tmp_path / "cache" / "default"
-    code = f"from voxbackend.tools.tiny_checkpoint import ensure_default_checkpoint as e; print(e({str(root)!r}))"
+    code = f"from voxbackend.models.orpheus.tiny import ensure_default_checkpoint as e; print(e({str(root)!r}))"
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for _ in range(2)]
     for p in procs:

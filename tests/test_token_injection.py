@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from voxbackend.models.csm import CsmFrontend
-from voxbackend.models.orpheus import OrpheusFrontend
+from voxbackend.models.csm.model import CsmFrontend
+from voxbackend.models.orpheus.model import OrpheusFrontend
 
 CHUNK_CHARS = 400  # a few hundred characters per prompt: far inside every length limit
 BOS_EOS = {"<|begin_of_text|>", "<|end_of_text|>"}

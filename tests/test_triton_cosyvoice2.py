@@ -22,7 +22,7 @@ import soundfile as sf  # noqa: E402
 import tritonclient.grpc as tritonclient  # noqa: E402
 
 from clients.tts_stream import make_inputs, stream_request  # noqa: E402
-from voxbackend.tools.tiny_cosyvoice2 import DEFAULT_VOICE, voice_clip  # noqa: E402
+from voxbackend.models.cosyvoice2.tiny import DEFAULT_VOICE, voice_clip  # noqa: E402
 from tests.triton_util import (assert_matches, committed_models, run_concurrently, serve,  # noqa: E402
                                drain_streams)
 
@@ -88,7 +88,7 @@ def server(tmp_path_factory, cache_dir):
 def reference(server, cache_dir):
     """Engine.synthesize in this process, on the checkpoint the server built."""
     import voxbackend
-    from voxbackend.tools.tiny_cosyvoice2 import ensure_default_cosyvoice2
+    from voxbackend.models.cosyvoice2.tiny import ensure_default_cosyvoice2
 
     model_dir, _ = ensure_default_cosyvoice2(cache_dir.with_name(cache_dir.name + "-cosyvoice2"))
     engine = voxbackend.load(model_dir)

@@ -101,7 +101,7 @@ def server(tmp_path_factory, cache_dir):
 def reference(server, cache_dir):
     """Engine.synthesize in this process, on the checkpoint the server built."""
     import voxbackend
-    from voxbackend.tools.tiny_csm import ensure_default_csm
+    from voxbackend.models.csm.tiny import ensure_default_csm
 
     model_dir, _ = ensure_default_csm(cache_dir.with_name(cache_dir.name + "-csm"))  # the server's build
     engine = voxbackend.load(model_dir)

@@ -59,7 +59,7 @@ def server(tmp_path_factory, cache_dir):
 def reference(server, cache_dir):
     """An in-process engine on the checkpoint the server built: Engine.synthesize, memoised."""
     import voxbackend
-    from voxbackend.tools.tiny_checkpoint import ensure_default_checkpoint
+    from voxbackend.models.orpheus.tiny import ensure_default_checkpoint
 
     model_dir, codec_dir = ensure_default_checkpoint(cache_dir)  # reuses the server's build
     engine = voxbackend.load(model_dir, codec_dir)

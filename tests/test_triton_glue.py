@@ -14,8 +14,8 @@ import pytest
 
 from voxbackend.errors import InvalidRequest
 from voxbackend.events import Event, EventKind
-from voxbackend.models.csm import CsmFrontend
-from voxbackend.models.orpheus import OrpheusFrontend
+from voxbackend.models.csm.model import CsmFrontend
+from voxbackend.models.orpheus.model import OrpheusFrontend
 from voxbackend.sampling_params import SamplingParams
 from voxbackend.triton import audio_encoding, fields, schema
 from voxbackend.triton.cancel_channel import CancelListener, send_cancel, send_shutdown, server_listeners

@@ -74,7 +74,7 @@ def server(tmp_path_factory, cache_dir):
 def reference(server, cache_dir):
     """Engine.synthesize in this process, on the checkpoint the server built."""
     import voxbackend
-    from voxbackend.tools.tiny_qwen3_tts import ensure_default_qwen3_tts
+    from voxbackend.models.qwen3_tts.tiny import ensure_default_qwen3_tts
 
     model_dir, _ = ensure_default_qwen3_tts(cache_dir.with_name(cache_dir.name + "-qwen3-tts"))
     engine = voxbackend.load(model_dir)

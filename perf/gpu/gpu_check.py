@@ -23,9 +23,9 @@ from voxbackend.attention.torch_backend import TorchPagedAttention
 from voxbackend.engine.engine import Engine
 from voxbackend.models.base import LMGeometry
 from voxbackend.models.decoder import Decoder, rope_inv_freq
-from voxbackend.models.orpheus import AUDIO_BASE, END_OF_SPEECH
+from voxbackend.models.orpheus.model import AUDIO_BASE, END_OF_SPEECH
 from voxbackend.sampling_params import SamplingParams
-from voxbackend.tools.tiny_checkpoint import write_tiny_orpheus, write_tiny_snac
+from voxbackend.models.orpheus.tiny import write_tiny_orpheus, write_tiny_snac
 
 ORPHEUS_3B = dict(hidden_size=3072, intermediate_size=8192, num_layers=28, num_heads=24, num_kv_heads=8, head_dim=128)
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}

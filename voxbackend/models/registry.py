@@ -7,9 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from voxbackend.models import cosyvoice2, csm, orpheus, qwen3_tts_frontend, qwen3_tts_model, token_lm
+from voxbackend.models import token_lm
 from voxbackend.models.base import SpeechModel
 from voxbackend.models.checkpoint import read_config
+from voxbackend.models.cosyvoice2 import model as cosyvoice2
+from voxbackend.models.csm import model as csm
+from voxbackend.models.orpheus import model as orpheus
+from voxbackend.models.qwen3_tts import frontend as qwen3_tts_frontend
+from voxbackend.models.qwen3_tts import model as qwen3_tts_model
 from voxbackend.tensor_spec import TensorSpec
 
 if TYPE_CHECKING:
@@ -49,27 +54,27 @@ class ModelKind:
 KINDS: dict[str, ModelKind] = {k.name: k for k in (
     ModelKind(
         name="orpheus", detect=orpheus.is_orpheus_config, model=orpheus.Orpheus, frontend=orpheus.OrpheusFrontend,
-        codec=orpheus.find_codec, tiny_checkpoint="voxbackend.tools.tiny_checkpoint:ensure_default_checkpoint",
+        codec=orpheus.find_codec, tiny_checkpoint="voxbackend.models.orpheus.tiny:ensure_default_checkpoint",
         served="Orpheus TTS (Llama backbone, SNAC 24 kHz codec)",
     ),
     ModelKind(
         # frontend: loads only the Mimi encoder, and only for context audio; no codec_dir: Mimi inside the checkpoint
         name="csm", detect=csm.is_csm_config, model=csm.Csm, frontend=csm.CsmFrontend,
-        tiny_checkpoint="voxbackend.tools.tiny_csm:ensure_default_csm",
+        tiny_checkpoint="voxbackend.models.csm.tiny:ensure_default_csm",
         served="CSM-1B (Llama backbone + depth decoder, Mimi 24 kHz codec)",
     ),
     ModelKind(
         # frontend: tokenizer, prompt rows and the text track; the codec is the checkpoint's speech_tokenizer/
         name="qwen3_tts", detect=qwen3_tts_frontend.is_qwen3_tts_config, model=qwen3_tts_model.Qwen3TTS,
         frontend=qwen3_tts_frontend.Qwen3TTSFrontend, codec=qwen3_tts_frontend.find_speech_tokenizer,
-        tiny_checkpoint="voxbackend.tools.tiny_qwen3_tts:ensure_default_qwen3_tts",
+        tiny_checkpoint="voxbackend.models.qwen3_tts.tiny:ensure_default_qwen3_tts",
         served="Qwen3-TTS-12Hz (Qwen3 talker + code predictor, 12 Hz codec at 24 kHz)",
     ),
     ModelKind(
         # frontend: tokenizer, voices and (on the first clip) the cloning networks; codec: flow + HiFT in the folder
         name="cosyvoice2", detect=lambda hf: False, detect_folder=cosyvoice2.is_cosyvoice2_folder,
         model=cosyvoice2.CosyVoice2, frontend=cosyvoice2.CosyVoice2Frontend,
-        tiny_checkpoint="voxbackend.tools.tiny_cosyvoice2:ensure_default_cosyvoice2",
+        tiny_checkpoint="voxbackend.models.cosyvoice2.tiny:ensure_default_cosyvoice2",
         served="CosyVoice2-0.5B (Qwen2 LM, flow matching + HiFT 24 kHz, zero-shot voice cloning)",
     ),
     ModelKind(name="token_lm", detect=token_lm.is_token_lm_config, model=token_lm.TokenLM),

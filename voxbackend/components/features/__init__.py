@@ -1,0 +1,1 @@
+"""Audio feature extractors: Kaldi fbank and the mel spectrograms the models' front ends use."""

@@ -1,0 +1,122 @@
+"""Conditional flow matching, speech tokens -> mel (CosyVoice2 `CausalMaskedDiffWithXvec` + `CausalConditionalCFM`).
+
+One call decodes a batch of rows, each its own request's [prompt tokens + tokens so far] with its prompt mel and
+speaker embedding: the encoder turns them into `mu` at 50 Hz, and a 10-step Euler solver integrates the estimator
+from the fixed noise buffer, with classifier-free guidance (the conditional and unconditional halves of every row
+run together as one 2B estimator batch). The noise is a seeded buffer indexed by frame, so decoding is deterministic
+and a frame gets the same noise in every window that contains it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from voxbackend.components.flow_hift.flow_encoder import EncoderConfig, UpsampleConformerEncoder
+from voxbackend.components.flow_hift.flow_estimator import CausalConditionalDecoder, EstimatorConfig
+
+
+@dataclass(frozen=True)
+class FlowConfig:
+    vocab_size: int = 6561
+    mel_bins: int = 80
+    spk_embed_dim: int = 192
+    n_timesteps: int = 10
+    cfg_rate: float = 0.7               # inference classifier-free guidance
+    noise_seed: int = 0
+    max_frames: int = 50 * 300          # the noise buffer: 300 s of mel at 50 Hz, prompt included
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+
+    @property
+    def token_mel_ratio(self) -> int:
+        return self.encoder.upsample
+
+    @property
+    def pre_lookahead_len(self) -> int:
+        return self.encoder.pre_lookahead_len
+
+
+@dataclass
+class FlowRow:
+    """One request's flow input for one window."""
+    tokens: torch.Tensor        # (N,) long: prompt tokens + speech tokens, the lookahead context last unless finalize
+    prompt_feat: torch.Tensor   # (P_mel, mel_bins) prompt mel, aligned with the prompt tokens
+    embedding: torch.Tensor     # (spk_embed_dim,) speaker embedding
+    finalize: bool              # no lookahead context: the utterance's last window
+    streaming: bool             # chunk-causal attention (the reference decodes its final window with full attention)
+
+
+class Estimator(nn.Module):
+    """Holds the estimator under the reference's `decoder.estimator` name."""
+
+    def __init__(self, cfg: EstimatorConfig):
+        super().__init__()
+        self.estimator = CausalConditionalDecoder(cfg)
+
+
+class FlowMatching(nn.Module):
+    def __init__(self, cfg: FlowConfig):
+        super().__init__()
+        self.cfg = cfg
+        size = cfg.encoder.size
+        self.input_embedding = nn.Embedding(cfg.vocab_size, size)
+        self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.mel_bins)
+        self.encoder = UpsampleConformerEncoder(cfg.encoder)
+        self.encoder_proj = nn.Linear(size, cfg.mel_bins)
+        self.decoder = Estimator(cfg.estimator)
+        generator = torch.Generator().manual_seed(cfg.noise_seed)
+        self.register_buffer("noise", torch.randn(1, cfg.mel_bins, cfg.max_frames, generator=generator), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, rows: list[FlowRow]) -> list[torch.Tensor]:
+        """Returns each row's mel after its prompt: (mel_bins, token_mel_ratio * tokens - prompt frames)."""
+        cfg, device = self.cfg, self.noise.device
+        ratio, lookahead = cfg.token_mel_ratio, cfg.pre_lookahead_len
+        n_rows = len(rows)
+        context = torch.tensor([0 if r.finalize else lookahead for r in rows], device=device)
+        total = torch.tensor([len(r.tokens) for r in rows], device=device)
+        lengths = total - context
+        if int(lengths.min()) <= 0:
+            raise ValueError("every flow row needs at least one token besides its lookahead context")
+        frames = lengths * ratio
+        if int(frames.max()) > cfg.max_frames:
+            raise ValueError(f"{int(frames.max())} mel frames exceed the noise buffer ({cfg.max_frames})")
+        streaming = torch.tensor([r.streaming for r in rows], device=device)
+        tokens = torch.zeros(n_rows, int(total.max()), dtype=torch.long, device=device)
+        for i, r in enumerate(rows):
+            tokens[i, :len(r.tokens)] = r.tokens.to(device)
+        dtype = self.input_embedding.weight.dtype
+        valid = (torch.arange(tokens.size(1), device=device)[None] < total[:, None]).unsqueeze(-1).to(dtype)
+        x = self.input_embedding(tokens.clamp(min=0)) * valid
+        h = self.encoder(x, lengths, context, streaming)
+        mu = self.encoder_proj(h).transpose(1, 2).contiguous()          # (B, mel, T)
+        t_max = mu.size(-1)
+        mask = (torch.arange(t_max, device=device)[None] < frames[:, None]).to(dtype).unsqueeze(1)
+        spks = self.spk_embed_affine_layer(F.normalize(torch.stack([r.embedding for r in rows]).to(device, dtype), dim=1))
+        cond = torch.zeros_like(mu)
+        for i, r in enumerate(rows):
+            cond[i, :, :r.prompt_feat.size(0)] = r.prompt_feat.to(device, dtype).T
+        mel = self._solve(self.noise[:, :, :t_max].expand(n_rows, -1, -1).to(dtype) * mask, mu, mask, spks, cond, streaming)
+        return [mel[i, :, r.prompt_feat.size(0):int(frames[i])].float() for i, r in enumerate(rows)]
+
+    def _solve(self, x, mu, mask, spks, cond, streaming) -> torch.Tensor:
+        """Euler steps on a cosine time schedule; guidance v = (1 + w) v(cond) - w v(uncond)."""
+        cfg = self.cfg
+        t_span = torch.linspace(0, 1, cfg.n_timesteps + 1, device=x.device, dtype=x.dtype)
+        t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
+        t, dt = t_span[0], t_span[1] - t_span[0]
+        zeros = torch.zeros_like
+        mask2, mu2 = torch.cat([mask, mask]), torch.cat([mu, zeros(mu)])
+        spks2, cond2, streaming2 = torch.cat([spks, zeros(spks)]), torch.cat([cond, zeros(cond)]), torch.cat([streaming, streaming])
+        b = x.size(0)
+        for step in range(1, len(t_span)):
+            v = self.decoder.estimator(torch.cat([x, x]), mask2, mu2, t.expand(2 * b), spks2, cond2, streaming2)
+            v_cond, v_uncond = v[:b], v[b:]
+            x = x + dt * ((1.0 + cfg.cfg_rate) * v_cond - cfg.cfg_rate * v_uncond)
+            t = t + dt
+            if step < len(t_span) - 1:
+                dt = t_span[step + 1] - t
+        return x
