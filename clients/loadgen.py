@@ -361,7 +361,8 @@ def parse_rates(s: str) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from clients.tts_stream import add_request_args, context_fields, sampling_fields
+    from clients.tts_stream import add_request_args, sampling_fields
+    from voxbackend.stream_client import context_fields
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address")

@@ -307,7 +307,7 @@ def start_server(checkpoint: str | None = None, codec: str | None = None, work_d
     """A started TritonServer on a rendered copy of the naive repository (ports of 0: free ones)."""
     import tempfile
 
-    from voxbackend.triton.server import TritonServer
+    from voxbackend.deploy.server import TritonServer
 
     work = Path(work_dir or tempfile.mkdtemp(prefix="orpheus-naive-"))
     params = {k: str(Path(v).resolve()) for k, v in (("checkpoint", checkpoint), ("codec", codec)) if v}

@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 
 import provenance  # noqa: E402  (perf/provenance.py)
 from clients.loadgen import chunk_audio_seconds, finish_reason, is_final  # noqa: E402
-from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
+from voxbackend.stream_client import StreamOutcome, make_inputs, stream_request  # noqa: E402
 
 PASS, FAIL, ERROR = "PASS", "FAIL", "ERROR"
 # The main server's one non-default setting: a short queue, so that "overloaded" takes two dozen streams, not 256.
@@ -324,7 +324,7 @@ class Launcher:
 
 
 class HeldStream:
-    """One request on its own gRPC stream, open until the probe calls cancel() (clients.tts_stream.stream_request
+    """One request on its own gRPC stream, open until the probe calls cancel() (voxbackend.stream_client.stream_request
     runs to the end; blockers, hogs and busy-shutdown streams must be stopped at a moment the probe picks)."""
 
     def __init__(self, url: str, model: str, inputs: list, request_id: str = "held"):
@@ -472,7 +472,7 @@ def settled(suite: Suite, probe: str, expected: str, observed: str, ok: bool, t0
 
 def typed(text: str | bytes | None = "hello there", voice: str | bytes | None = None, fmt: str | bytes | None = None,
           **kw) -> Callable[[], list]:
-    """Tensors a typed client builds (clients.tts_stream.make_inputs)."""
+    """Tensors a typed client builds (voxbackend.stream_client.make_inputs)."""
     return lambda: make_inputs(text, voice, fmt, **kw)
 
 
@@ -995,8 +995,8 @@ FAKE_ENGINE = {  # the weights-free stand-in, selected by the same parameters a 
 def probe_engine_fault(suite: Suite) -> list[Result]:
     """A second server with the fake engine (voxbackend/triton/fake_engine.py): a request whose text holds
     "__die__" kills its engine loop, a fault production code cannot be asked for."""
-    from voxbackend.triton import configs
-    from voxbackend.triton.server import TritonServer
+    from voxbackend.deploy import configs
+    from voxbackend.deploy.server import TritonServer
 
     t0 = time.monotonic()
     repo = configs.write_repository(suite.tmp / "fake_repository", FAKE_ENGINE, models=["orpheus"])
@@ -1091,7 +1091,7 @@ def probe_shutdown_busy(suite: Suite) -> list[Result]:
 
 
 def _plain_server(suite: Suite, name: str, repo: Path, extra_args: tuple[str, ...] = ()):
-    from voxbackend.triton.server import TritonServer
+    from voxbackend.deploy.server import TritonServer
 
     return TritonServer(repo, log_file=suite.tmp / f"{name}-tritonserver.log", work_dir=suite.tmp / f"{name}-work",
                         extra_args=list(extra_args)).start(timeout=300)
@@ -1110,7 +1110,7 @@ def _sigterm(server) -> tuple[int | None, float]:
 def probe_drain(suite: Suite) -> list[Result]:
     """A plain tritonserver with the committed orpheus models (tiny default checkpoint), SIGTERM while streams
     play through `orpheus` and `orpheus_engine`."""
-    from voxbackend.triton import configs
+    from voxbackend.deploy import configs
 
     t0 = time.monotonic()
     repo = suite.tmp / "drain_repository"
@@ -1165,7 +1165,7 @@ def probe_drain(suite: Suite) -> list[Result]:
 
 def probe_drain_grace(suite: Suite) -> list[Result]:
     """The fake engine (streams as long as wanted) with drain_grace_s 2: streams that outlast it end with an error."""
-    from voxbackend.triton import configs
+    from voxbackend.deploy import configs
 
     t0 = time.monotonic()
     settings = {**FAKE_ENGINE, "kv_pages": "4096", "max_queue": "8", "drain_grace_s": "2"}
@@ -1199,7 +1199,7 @@ def probe_drain_grace(suite: Suite) -> list[Result]:
 def probe_refused_plain_sigint(suite: Suite) -> list[Result]:
     """What no model can mend (docs/triton.md, Stopping): a plain tritonserver (fake engine) with one request
     refused for its dtype whose client then cancels, then SIGINT (exit timeout 5 s here)."""
-    from voxbackend.triton import configs
+    from voxbackend.deploy import configs
 
     t0 = time.monotonic()
     repo = configs.write_repository(suite.tmp / "refused_repository", FAKE_ENGINE, models=["orpheus"])

@@ -371,8 +371,8 @@ def run_overhead(model_dir: Path, codec_dir: Path, st: Settings, prompts: list[s
 def engine_server(model_dir: Path, codec_dir: Path, policy: str, work: Path, first_chunk_s: float = 0.0,
                   params: dict[str, str] | None = None):
     """tritonserver on a rendered copy of model_repository (what `voxbackend serve --set policy=...` does)."""
-    from voxbackend.triton import configs
-    from voxbackend.triton.server import TritonServer
+    from voxbackend.deploy import configs
+    from voxbackend.deploy.server import TritonServer
 
     work.mkdir(parents=True, exist_ok=True)
     repo = configs.write_repository(work / "model_repository", {

@@ -27,7 +27,7 @@ import provenance  # noqa: E402  (perf/provenance.py)
 from clients.loadgen import load_prompts, run_load  # noqa: E402
 from clients.stream_metrics import summarize  # noqa: E402
 from voxbackend.models.orpheus.tiny import ensure_default_checkpoint  # noqa: E402
-from voxbackend.triton.server import TritonServer  # noqa: E402
+from voxbackend.deploy.server import TritonServer  # noqa: E402
 
 METRICS = (("ttfa_p50_s", "TTFA p50 (s)"), ("ttfa_p90_s", "TTFA p90 (s)"), ("stall_free_pct", "stall-free %"),
            ("on_time_chunk_pct", "on-time chunks %"), ("x_real_time", "x real time"))

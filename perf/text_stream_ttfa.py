@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients.tts_stream import make_inputs, stream_request, stream_text_pieces  # noqa: E402
+from voxbackend.stream_client import make_inputs, stream_request, stream_text_pieces  # noqa: E402
 from perf import provenance  # noqa: E402
 
 TEXT = "Hello there, how are you doing today? I'm fine, thanks."
@@ -29,7 +29,7 @@ MID_WORD_PIECES = ["Hel", "lo the", "re, how", " are you do", "ing today? I'", "
 
 
 def served_repository(model: str, dest: Path) -> Path:
-    from voxbackend.triton import configs
+    from voxbackend.deploy import configs
 
     return configs.write_repository(dest, {"max_batch": "4"}, models=[model])
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.url:
         ttfa = measure(a.url, a.model, a.runs, a.piece_delay, fields)
     else:
-        from voxbackend.triton.server import TritonServer
+        from voxbackend.deploy.server import TritonServer
 
         with tempfile.TemporaryDirectory() as tmp:
             repo = served_repository(a.model, Path(tmp) / "model_repository")

@@ -29,11 +29,11 @@ import openai  # noqa: E402
 from websockets.exceptions import ConnectionClosed  # noqa: E402
 from websockets.sync.client import connect as ws_connect  # noqa: E402
 
-from clients.tts_stream import make_inputs, stream_request  # noqa: E402
+from voxbackend.stream_client import make_inputs, stream_request  # noqa: E402
 from voxbackend.api import errors as api_errors, gauges  # noqa: E402
 from voxbackend.api.sentences import SentenceBuffer  # noqa: E402
 from voxbackend.models.orpheus.model import VOICES  # noqa: E402
-from voxbackend.triton.server import free_port  # noqa: E402
+from voxbackend.deploy.server import free_port  # noqa: E402
 from tests.util_http import get_json, http_status  # noqa: E402
 
 MAX_TOKENS = 63  # 9 Orpheus frames: a few chunks per stream keeps 2-core runs quick

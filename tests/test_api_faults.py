@@ -21,9 +21,9 @@ sys.path.insert(0, str(ROOT))
 import openai  # noqa: E402
 from websockets.sync.client import connect as ws_connect  # noqa: E402
 
-from clients.tts_stream import make_inputs, stream_request  # noqa: E402
+from voxbackend.stream_client import make_inputs, stream_request  # noqa: E402
 from voxbackend.api.server import ApiServer  # noqa: E402
-from voxbackend.triton import configs  # noqa: E402
+from voxbackend.deploy import configs  # noqa: E402
 from tests.triton_util import serve  # noqa: E402
 from tests.util_http import get_json, http_status  # noqa: E402
 

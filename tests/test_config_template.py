@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from voxbackend.triton import configs, schema
+from voxbackend.deploy import configs
+from voxbackend.triton import schema
 
 
 def test_committed_configs_equal_rendered():
     stale = configs.stale_configs(configs.DEFAULT_REPOSITORY)
-    assert not stale, f"regenerate with `python -m voxbackend.triton.configs`: {stale}"
+    assert not stale, f"regenerate with `python -m voxbackend.deploy.configs`: {stale}"
 
 
 def test_every_model_folder_has_a_config_and_model_file():
@@ -125,7 +126,7 @@ def test_every_engine_option_is_a_config_parameter():
     from dataclasses import fields
 
     from voxbackend.config import EngineConfig
-    from voxbackend.triton.configs import ENGINE_PARAMS
+    from voxbackend.deploy.configs import ENGINE_PARAMS
 
     assert {f.name for f in fields(EngineConfig)} <= set(ENGINE_PARAMS)
     assert EngineConfig.from_options({k: ENGINE_PARAMS[k] for k in (f.name for f in fields(EngineConfig))

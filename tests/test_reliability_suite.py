@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "perf"), str(ROOT)]
 
 import reliability as rel  # noqa: E402  (perf/reliability.py)
-from clients.tts_stream import StreamOutcome  # noqa: E402
+from voxbackend.stream_client import StreamOutcome  # noqa: E402
 
 
 def outcome(error: str | None = None, responses: int = 1, chunks: int = 0, late: int = 0) -> StreamOutcome:

@@ -15,10 +15,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients.tts_stream import make_inputs, stream_text_pieces  # noqa: E402
+from voxbackend.stream_client import make_inputs, stream_text_pieces  # noqa: E402
 from tests.test_cosyvoice2_bistream import write_bistream_checkpoint  # noqa: E402
 from tests.triton_util import serve  # noqa: E402
-from voxbackend.triton import configs  # noqa: E402
+from voxbackend.deploy import configs  # noqa: E402
 
 MODEL = "cosyvoice2_text_stream"
 GREEDY = {"TEMPERATURE": 0.0, "SEED": 3, "MAX_TOKENS": 400}

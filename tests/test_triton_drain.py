@@ -21,12 +21,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients.tts_stream import StreamOutcome, make_inputs, stream_request, stream_text_pieces  # noqa: E402
+from voxbackend.stream_client import StreamOutcome, make_inputs, stream_request, stream_text_pieces  # noqa: E402
 from tests.triton_util import committed_models, start_serve  # noqa: E402
-from voxbackend.triton import configs  # noqa: E402
+from voxbackend.deploy import configs  # noqa: E402
 from voxbackend.triton.drain import http_port_open, server_http_address  # noqa: E402
 from voxbackend.triton.fake_engine import TOKENS_PER_CHUNK, FakeStreamingModel  # noqa: E402
-from voxbackend.triton.server import TritonServer  # noqa: E402
+from voxbackend.deploy.server import TritonServer  # noqa: E402
 
 FAKE = {
     "checkpoint": "unused",
@@ -217,7 +217,7 @@ def test_voxbackend_serve_drains_on_sigterm(tmp_path):
 CLIENT = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from clients.tts_stream import make_inputs, stream_request
+from voxbackend.stream_client import make_inputs, stream_request
 stream_request(sys.argv[2], "orpheus", make_inputs(sys.argv[3], MAX_TOKENS=int(sys.argv[4])), timeout=120)
 """
 

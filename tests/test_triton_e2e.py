@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT))
 
 import tritonclient.grpc as tritonclient  # noqa: E402
 
-from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
-from voxbackend.triton import configs  # noqa: E402
+from voxbackend.stream_client import StreamOutcome, make_inputs, stream_request  # noqa: E402
+from voxbackend.deploy import configs  # noqa: E402
 from tests.triton_util import assert_matches, metric, metric_values, run_concurrently, serve  # noqa: E402
 
 

@@ -16,8 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
-from voxbackend.triton import configs  # noqa: E402
+from voxbackend.stream_client import StreamOutcome, make_inputs, stream_request  # noqa: E402
+from voxbackend.deploy import configs  # noqa: E402
 from tests.triton_util import metric, run_concurrently, serve  # noqa: E402
 
 

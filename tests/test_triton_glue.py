@@ -484,7 +484,7 @@ def test_instance_settings_split_glue_and_engine_options():
 
 
 def test_launcher_prepares_a_backend_dir_with_this_pythons_stub(tmp_path: Path):
-    from voxbackend.triton.server import find_tritonserver, prepare_backend_dir, server_env
+    from voxbackend.deploy.server import find_tritonserver, prepare_backend_dir, server_env
 
     install = find_tritonserver()
     assert install.binary.is_file()

@@ -25,9 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 import tritonclient.grpc as tritonclient  # noqa: E402
 
-from clients.tts_stream import StreamOutcome, make_inputs, stream_request  # noqa: E402
-from voxbackend.triton import configs  # noqa: E402
-from voxbackend.triton.server import SHM_DIR, TritonServer  # noqa: E402
+from voxbackend.stream_client import StreamOutcome, make_inputs, stream_request  # noqa: E402
+from voxbackend.deploy import configs  # noqa: E402
+from voxbackend.deploy.server import SHM_DIR, TritonServer  # noqa: E402
 from tests.triton_util import serve, start_serve  # noqa: E402
 
 FAKE = {
@@ -43,7 +43,7 @@ CLIENT = """
 import sys, time
 sys.path.insert(0, sys.argv[1])
 import tritonclient.grpc as grpcclient
-from clients.tts_stream import make_inputs
+from voxbackend.stream_client import make_inputs
 client = grpcclient.InferenceServerClient(sys.argv[2])
 client.start_stream(callback=lambda result, error: None)
 client.async_stream_infer(sys.argv[3], make_inputs(sys.argv[4], MAX_TOKENS=70), enable_empty_final_response=True)

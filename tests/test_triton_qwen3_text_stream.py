@@ -21,10 +21,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients.tts_stream import make_inputs, stream_request, stream_text_pieces  # noqa: E402
+from voxbackend.stream_client import make_inputs, stream_request, stream_text_pieces  # noqa: E402
 from tests.triton_util import serve  # noqa: E402
 from tests import triton_util  # noqa: E402
-from voxbackend.triton import configs  # noqa: E402
+from voxbackend.deploy import configs  # noqa: E402
 
 MODEL = "qwen3_tts_text_stream"
 GREEDY = {"TEMPERATURE": 0.0, "REPETITION_PENALTY": 1.0, "SEED": 3, "MAX_TOKENS": 60}
@@ -81,7 +81,7 @@ CLIENT_THEN_DIE = """
 import sys, time
 sys.path.insert(0, {root!r})
 import tritonclient.grpc as g
-from clients.tts_stream import make_inputs
+from voxbackend.stream_client import make_inputs
 c = g.InferenceServerClient({url!r})
 c.start_stream(callback=lambda r, e: None)
 c.async_stream_infer({model!r}, make_inputs("Hello there, how are you ", batched=True, TEMPERATURE=0.0, MAX_TOKENS=400),

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 import tritonclient.grpc as tritonclient  # noqa: E402
 
-from clients.tts_stream import make_inputs, stream_request  # noqa: E402
+from voxbackend.stream_client import make_inputs, stream_request  # noqa: E402
 from tests.triton_util import (assert_matches, committed_models, run_concurrently, serve,  # noqa: E402
                                drain_streams)
 

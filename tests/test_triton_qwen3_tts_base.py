@@ -21,10 +21,10 @@ import soundfile as sf  # noqa: E402
 import tritonclient.grpc as tritonclient  # noqa: E402
 
 from clients.tts_stream import main as tts_stream_main  # noqa: E402
-from clients.tts_stream import make_inputs, stream_request, stream_text_pieces  # noqa: E402
+from voxbackend.stream_client import make_inputs, stream_request, stream_text_pieces  # noqa: E402
 from voxbackend.models.cosyvoice2.tiny import voice_clip  # noqa: E402
 from voxbackend.models.qwen3_tts.tiny import write_tiny_qwen3_tts  # noqa: E402
-from voxbackend.triton import configs  # noqa: E402
+from voxbackend.deploy import configs  # noqa: E402
 from tests.triton_util import assert_matches, run_concurrently, serve  # noqa: E402
 
 MAX_TOKENS = 10  # frames of 80 ms

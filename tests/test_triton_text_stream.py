@@ -21,10 +21,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients.tts_stream import make_inputs, stream_request, stream_text_pieces  # noqa: E402
+from voxbackend.stream_client import make_inputs, stream_request, stream_text_pieces  # noqa: E402
 from tests.triton_util import serve  # noqa: E402
 from tests import triton_util  # noqa: E402
-from voxbackend.triton import configs  # noqa: E402
+from voxbackend.deploy import configs  # noqa: E402
 
 MODEL = "orpheus_text_stream"
 IDLE_S = 1.5
@@ -139,7 +139,7 @@ CLIENT_THEN_HANG = """
 import sys, time
 sys.path.insert(0, {root!r})
 import tritonclient.grpc as g
-from clients.tts_stream import make_inputs
+from voxbackend.stream_client import make_inputs
 c = g.InferenceServerClient({url!r})
 c.start_stream(callback=lambda r, e: None)
 c.async_stream_infer({model!r}, make_inputs("Hello there, how are you ", batched=True, SEED=1, MAX_TOKENS=7000),

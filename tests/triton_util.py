@@ -15,7 +15,7 @@ from typing import Callable, Iterator, TypeVar
 
 import numpy as np
 
-from voxbackend.triton.server import TritonServer
+from voxbackend.deploy.server import TritonServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,7 +98,7 @@ class ServeProcess:
 
 
 def start_serve(work_dir: Path, settings: dict[str, str], models: str = "orpheus") -> ServeProcess:
-    from voxbackend.triton.server import free_port
+    from voxbackend.deploy.server import free_port
 
     ports = [free_port() for _ in range(3)]
     cmd = [sys.executable, "-m", "voxbackend.cli", "serve", "--models", models, "--work-dir", str(work_dir),
@@ -124,7 +124,7 @@ def drain_streams(server: TritonServer, requests: list[tuple[str, list, str]]) -
     """A module's last test (it stops the module's server): (model, inputs, audio format) streams, SIGTERM to
     tritonserver once each has had its first audio; asserts that the server exited 0 and that some stream
     ended after the signal (so the drain had work to do), and returns the streams' outcomes."""
-    from clients.tts_stream import stream_request
+    from voxbackend.stream_client import stream_request
 
     code, signalled, outs = sigterm_while_streaming(server, [
         lambda m=m, i=i, f=f: stream_request(server.grpc_url, m, i, f, timeout=240) for m, i, f in requests])
@@ -137,7 +137,7 @@ def drain_streams(server: TritonServer, requests: list[tuple[str, list, str]]) -
 
 def committed_models(folders: list[str], repo: Path) -> Path:
     """A repository holding only these folders of the committed model_repository/ (what users copy)."""
-    from voxbackend.triton import configs
+    from voxbackend.deploy import configs
 
     for name in folders:
         shutil.copytree(configs.DEFAULT_REPOSITORY / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -158,7 +158,7 @@ def run_concurrently(jobs: list[Callable[[], T]], stagger_s: float = 0.0, timeou
 
 def assert_matches(out, expected: np.ndarray, fmt: str, what: str, rate: int = 24000, atol: float = 1e-4,
                    rtol: float = 0.0) -> None:
-    """A finished stream (clients.tts_stream.StreamOutcome) carries exactly the expected audio. The engine may
+    """A finished stream (voxbackend.stream_client.StreamOutcome) carries exactly the expected audio. The engine may
     merge several ready windows into one chunk, so chunk boundaries depend on timing; the samples do not."""
     assert out.error is None, f"{what}: {out.error}"
     assert out.finish_reason in ("stop", "length"), what

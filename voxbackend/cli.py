@@ -23,9 +23,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-from voxbackend.triton import configs
+from voxbackend.deploy import configs
 from voxbackend.triton.loading import import_object
-from voxbackend.triton.server import TritonServer
+from voxbackend.deploy.server import TritonServer
 
 _PARAM = re.compile(r'parameters \{ key: "(\w+)" value: \{ string_value: "([^"]*)" \} \}')
 

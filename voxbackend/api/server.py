@@ -27,7 +27,7 @@ class ApiServer:
         import uvicorn
 
         from voxbackend.api.app import create_app
-        from voxbackend.triton.server import free_port
+        from voxbackend.deploy.server import free_port
 
         if not self.port:
             self.port = free_port(self.host if self.host not in ("0.0.0.0", "") else "127.0.0.1")

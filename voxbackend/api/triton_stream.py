@@ -1,6 +1,6 @@
 """One Triton streaming request as an async iterator of PCM16 chunks, for the asyncio side of the service.
 
-The gRPC stream is the project's client (clients.tts_stream.StreamCall): tritonclient calls back on its own
+The gRPC stream is the project's client (voxbackend.stream_client.StreamCall): tritonclient calls back on its own
 thread; each response is handed to the event loop through a queue. close() hangs up, cancelling the request
 in Triton when it is still running, so a client that goes away leaves no generation behind.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from clients.tts_stream import StreamCall, is_triton_final, make_inputs, response_scalar
+from voxbackend.stream_client import StreamCall, is_triton_final, make_inputs, response_scalar
 from voxbackend.api.errors import from_triton
 
 _ids = itertools.count()

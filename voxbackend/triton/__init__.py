@@ -1,7 +1,7 @@
-"""Triton Python-backend glue: knows the request schema and Triton, not any one SpeechLM.
+"""Triton Python-backend glue, only what the Triton stub loads: knows the request schema and Triton, not any one
+SpeechLM. The repository generator and the launcher live in voxbackend.deploy.
 
     schema.py            tensor names/types (source of truth for configs and models)
-    configs.py           renders model_repository/*/config.pbtxt (`python -m voxbackend.triton.configs`)
     front_model.py       decoupled `<model>` that clients call: the engine model, its audio encoded
     engine_model.py      decoupled `<model>_engine`: one engine per instance, execute() only enqueues
     streams.py           the single response thread: sends chunks, polls cancellation, ends every stream
@@ -11,6 +11,5 @@
     fields.py            request tensors -> validated values; audio_encoding.py: sample encodings
     metrics.py           Prometheus families via pb_utils.MetricFamily
     loading.py           config parameters -> engine / front end; default checkpoint
-    server.py            the launcher: find tritonserver, backend dir with the right stub, start/wait/stop
     fake_engine.py       weights-free Engine stand-in for glue tests and fault injection
 """

@@ -12,7 +12,7 @@ import numpy as np
 
 from voxbackend.errors import InvalidRequest
 from voxbackend.sampling_params import SamplingParams
-from voxbackend.triton.schema import AUDIO_FORMATS, DEFAULT_AUDIO_FORMAT, SAMPLING_FIELDS, TensorSpec
+from voxbackend.triton.schema import AUDIO_FORMATS, DEFAULT_AUDIO_FORMAT, SAMPLING_FIELDS, SAMPLING_TYPES, TensorSpec
 
 Getter = Callable[[str], "np.ndarray | None"]
 
@@ -288,6 +288,5 @@ def flat_prompt(ids: list[int] | list[list[int]]) -> np.ndarray:
 
 def sampling_tensors(params: SamplingParams) -> dict[str, np.ndarray]:
     """SamplingParams -> the [1]-shaped tensors of PREPROCESS_OUTPUTS (dtypes as in the schema)."""
-    dtypes = {"TEMPERATURE": np.float32, "TOP_P": np.float32, "TOP_K": np.int32, "MIN_P": np.float32,
-              "REPETITION_PENALTY": np.float32, "MAX_TOKENS": np.int32, "MIN_TOKENS": np.int32, "SEED": np.int64}
-    return {name: np.array([getattr(params, attr)], dtype=dtypes[name]) for name, attr in SAMPLING_FIELDS.items()}
+    return {name: np.array([getattr(params, attr)], dtype=SAMPLING_TYPES[name][1])
+            for name, attr in SAMPLING_FIELDS.items()}

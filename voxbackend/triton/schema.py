@@ -7,6 +7,8 @@ with the `prepare()` keyword each one fills, so the glue parses them without kno
 """
 from __future__ import annotations
 
+import numpy as np
+
 from voxbackend.tensor_spec import TensorSpec
 
 AUDIO_FORMATS = ("pcm16", "fp32")  # PCM16 little-endian is the default: half the bytes on the wire
@@ -105,3 +107,8 @@ CLIENT_OUTPUTS = (
                "(int16 for pcm16, float32 for fp32)"),
     *CHUNK_META,
 )
+
+
+_NUMPY_TYPES = {"FP32": np.float32, "INT32": np.int32, "INT64": np.int64}
+# Sampling fields: Triton name -> (Triton type, numpy dtype), for whoever builds these tensors (client, preprocess)
+SAMPLING_TYPES = {s.name: (s.dtype, _NUMPY_TYPES[s.dtype]) for s in _SAMPLING_SPECS}

@@ -259,7 +259,7 @@ class Csm(CsmFrontend):
         self.depth_proj = take("depth_decoder.model.inputs_embeds_projector.weight")  # [depth hidden, hidden]
         self.depth_heads = take("depth_decoder.codebooks_head.weight")  # [K - 1, depth hidden, V]
         self.offsets = torch.arange(self.num_codebooks, device=device) * self.vocab
-        del w
+        w.clear()  # the device copies are taken; drop the CPU tensors
         path, prefix = self.codec_source
         self.codec = MimiDecoder.from_pretrained(path, device=device, prefix=prefix)
 
