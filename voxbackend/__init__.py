@@ -12,8 +12,8 @@ from voxbackend.sampling_params import SamplingParams
 def load(model_dir: str | Path, codec_dir: str | Path | None = None, model: str | None = None, **engine_options):
     """Load a checkpoint folder (config.json + safetensors + tokenizer.json) and build an engine (not started).
 
-    `model` forces the model kind (a voxbackend.models.registry.KINDS name: "orpheus", "csm", "token_lm"); by
-    default config.json decides. Other keyword arguments are EngineConfig fields.
+    `model` forces the model kind (a voxbackend.models.registry.KINDS name: "orpheus", "csm", "qwen3_tts",
+    "cosyvoice2", "token_lm"); by default config.json decides. Other keyword arguments are EngineConfig fields.
     """
     from voxbackend.engine.engine import Engine
     from voxbackend.models.registry import load_model
