@@ -137,9 +137,20 @@ class SpeechModel:
     # per-request arrays prepare() computes for the codec (Prompt.conditioning, keyed by arg); the Triton glue
     # carries them from the preprocess to the engine under these names
     conditioning: tuple[TensorSpec, ...] = ()
-    max_text_chars: int = 4000  # text_streaming: the most characters the pieces of one utterance may add up to
+    max_text_chars: int = 4000  # the most characters one request's text (or the pieces of one utterance) may have
 
     # --- preprocessing (CPU, off the engine thread) ---
+    def check_text(self, text: Any, field: str = "text", allow_blank: bool = False) -> str:
+        """What every model asks of a text before tokenizing it: a string, not blank, at most max_text_chars."""
+        if not isinstance(text, str):
+            raise InvalidRequest(f"{field} must be a string, got {type(text).__name__}", field=field)
+        if not allow_blank and not text.strip():
+            raise InvalidRequest(f"{field} is empty", field=field)
+        if len(text) > self.max_text_chars:
+            raise InvalidRequest(f"{field} is {len(text)} characters; the limit is {self.max_text_chars}",
+                                 field=field)
+        return text
+
     def prepare(
         self, text: str, voice: str | None = None, *, text_open: bool = False, **options
     ) -> list[int] | list[list[int]] | Prompt:

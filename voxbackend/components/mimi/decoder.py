@@ -164,8 +164,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: dict, layout: _Layout):
+class AttentionProjections(nn.Module):
+    """Mimi's attention weights (transformers' MimiAttention names), RoPE on q and k, and the attention itself;
+    the streaming decoder adds its key/value cache, the whole-clip encoder uses it as it is."""
+
+    def __init__(self, cfg: dict):
         super().__init__()
         d, self.heads = cfg["hidden_size"], cfg["num_attention_heads"]
         self.kv_heads = cfg.get("num_key_value_heads") or self.heads
@@ -175,6 +178,31 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=bias)
+
+    def rotated_qkv(self, x: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, C] -> q [B, heads, T, head_dim] and k, v [B, kv_heads, T, head_dim], q and k rotated."""
+        B, T, _ = x.shape
+        q = _rotate(self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2), cos, sin)
+        k = _rotate(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
+        return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
+
+
+def rope_inv_freq(cfg: dict, head_dim: int) -> torch.Tensor:
+    rope = cfg.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    assert rope.get("rope_type", "default") == "default"
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+
+
+class Attention(AttentionProjections):
+    def __init__(self, cfg: dict, layout: _Layout):
+        super().__init__(cfg)
         self.keep = cfg["sliding_window"] - 1  # a query sees itself and the window - 1 steps before it
         self.k_slot = layout.take(self.kv_heads, self.keep, self.head_dim)
         self.v_slot = layout.take(self.kv_heads, self.keep, self.head_dim)
@@ -182,10 +210,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 buf: torch.Tensor, ends: torch.Tensor | None = None) -> torch.Tensor:
         """`ends` as in CausalConv1d: the cache keeps the last window - 1 real steps of each row."""
-        B, T, _ = x.shape
-        q = _rotate(self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2), cos, sin)
-        k = _rotate(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
-        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.rotated_qkv(x, cos, sin)
         k_cache, v_cache = _piece(buf, self.k_slot), _piece(buf, self.v_slot)
         k, v = torch.cat([k_cache, k], dim=2), torch.cat([v_cache, v], dim=2)  # key j is at step base + j
         if ends is None:
@@ -194,8 +219,7 @@ class Attention(nn.Module):
         else:
             k_cache.copy_(_rows_window(k, ends, self.keep, dim=2))
             v_cache.copy_(_rows_window(v, ends, self.keep, dim=2))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return self.attend(q, k, v, mask)
 
 
 class MLP(nn.Module):
@@ -232,12 +256,7 @@ class Transformer(nn.Module):
         self.group = window_group  # the window ends at the last step of the query's group (see MimiDecoder)
         assert self.window and self.window >= 2
         self.layers = nn.ModuleList([TransformerLayer(cfg, layout) for _ in range(cfg["num_hidden_layers"])])
-        rope = cfg.get("rope_parameters") or {}
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        assert rope.get("rope_type", "default") == "default"
-        head_dim = self.layers[0].self_attn.head_dim
-        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim),
-                             persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg, self.layers[0].self_attn.head_dim), persistent=False)
 
     def forward(self, x: torch.Tensor, start: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         """x [B, T, C]; start [B]: each row's first step index in this chunk."""

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from voxbackend.components.mimi.decoder import MLP, LayerScale, _rotate
+from voxbackend.components.mimi.decoder import MLP, AttentionProjections, LayerScale, rope_inv_freq
 from voxbackend.components.mimi.weights import (
     codebook_tables, flat_names, frame_size, read_codec_config, read_codec_tensors,
 )
@@ -75,25 +75,9 @@ class SeanetEncoder(nn.Module):
         return x
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: dict):
-        super().__init__()
-        d, self.heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        self.kv_heads = cfg.get("num_key_value_heads") or self.heads
-        self.head_dim = cfg.get("head_dim") or d // self.heads
-        bias = cfg.get("attention_bias", False)
-        self.q_proj = nn.Linear(d, self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=bias)
-
+class Attention(AttentionProjections):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = _rotate(self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2), cos, sin)
-        k = _rotate(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
-        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return self.attend(*self.rotated_qkv(x, cos, sin), mask)
 
 
 class TransformerLayer(nn.Module):
@@ -119,12 +103,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.window = cfg["sliding_window"]
         self.layers = nn.ModuleList([TransformerLayer(cfg) for _ in range(cfg["num_hidden_layers"])])
-        rope = cfg.get("rope_parameters") or {}
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        assert rope.get("rope_type", "default") == "default"
-        head_dim = self.layers[0].self_attn.head_dim
-        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim),
-                             persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg, self.layers[0].self_attn.head_dim), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(x.shape[1], device=x.device)

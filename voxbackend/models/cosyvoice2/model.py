@@ -47,7 +47,6 @@ SPEECH_ROWS = SPEECH_TOKENS + 3
 SOS, TASK_ID = 0, 1  # rows of llm_embedding
 MIN_TOKEN_TEXT_RATIO, MAX_TOKEN_TEXT_RATIO = 2, 20
 QWEN_FOLDER = "CosyVoice-BlankEN"
-MAX_TEXT_CHARS = 4000
 # the flow's noise buffer holds 300 s (7500 tokens) of prompt + speech; a 30 s voice prompt takes 750
 MAX_TOKENS = 6000
 MAX_STREAMED_TEXT_IDS = 2000  # bistream: text ids one utterance may add up to (room kept for them in the context)
@@ -72,7 +71,6 @@ class CosyVoice2Frontend(SpeechModel):
     """Tokenizer, prompt rules, voices and spec without LM or detokenizer weights: the preprocess model's side."""
 
     text_streaming = True
-    max_text_chars = MAX_TEXT_CHARS
 
     request_inputs = (
         TensorSpec("VOICE", "STRING", optional=True, arg="voice",
@@ -150,12 +148,7 @@ class CosyVoice2Frontend(SpeechModel):
     # ---------------------------------------------------------------- preprocessing
     def prepare(self, text: str, voice: str | None = None, reference_audio: bytes | None = None,
                 reference_text: str | None = None, *, text_open: bool = False) -> Prompt:
-        if not isinstance(text, str):
-            raise InvalidRequest(f"text must be a string, got {type(text).__name__}", field="text")
-        if not text.strip() and not text_open:
-            raise InvalidRequest("text is empty", field="text")
-        if len(text) > MAX_TEXT_CHARS:
-            raise InvalidRequest(f"text is {len(text)} characters; the limit is {MAX_TEXT_CHARS}", field="text")
+        self.check_text(text, allow_blank=text_open)
         prompt = self.voice_prompt(voice, reference_audio, reference_text)
         text_ids = self.text_tokenizer.encode(text)
         prompt_text_ids = self.text_tokenizer.encode(prompt.transcript)

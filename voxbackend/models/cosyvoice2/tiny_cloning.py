@@ -19,25 +19,12 @@ from safetensors.torch import save_file
 from voxbackend.models.cosyvoice2.cloning import VoiceCloner, ClonerConfig, load_voice_cloner
 from voxbackend.components.speaker.campplus import CAMPPlus
 from voxbackend.components.s3_tokenizer import S3TokenizerV2
+from voxbackend.models.tiny_weights import perturb_default_inits
 
 TINY_CONFIG = {
     "tokenizer": {"hidden": 128, "heads": 2, "layers": 2},
     "speaker": {"growth_rate": 8, "bn_size": 2, "init_channels": 32},
 }
-
-
-def _randomize(module: torch.nn.Module, generator: torch.Generator) -> None:
-    """Default inits leave norms at 1/0 and BatchNorm statistics at 0/1: perturb them so parity tests see them."""
-    state = module.state_dict()
-    for name, t in state.items():
-        if name.endswith("running_var"):
-            t.copy_(0.5 + torch.rand(t.shape, generator=generator))
-        elif name.endswith("running_mean"):
-            t.copy_(0.1 * torch.randn(t.shape, generator=generator))
-        elif t.ndim == 1 and name.endswith("weight"):
-            t.copy_(1.0 + 0.2 * torch.randn(t.shape, generator=generator))
-        elif t.ndim == 1 and name.endswith("bias"):
-            t.copy_(0.1 * torch.randn(t.shape, generator=generator))
 
 
 def tiny_state_dicts(seed: int = 0) -> tuple[ClonerConfig, dict, dict]:
@@ -47,8 +34,8 @@ def tiny_state_dicts(seed: int = 0) -> tuple[ClonerConfig, dict, dict]:
         tokenizer, speaker = S3TokenizerV2(cfg.tokenizer), CAMPPlus(cfg.speaker)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        _randomize(tokenizer, generator)
-        _randomize(speaker, generator)
+        perturb_default_inits(tokenizer, generator)
+        perturb_default_inits(speaker, generator)
         # spread the 8 quantiser projections over all three levels, so tokens cover much of the 6561 codes
         tokenizer.quantizer._codebook.project_down.weight.mul_(8.0)
         # eval-mode BatchNorm does not renormalise: torch's default conv init would shrink the signal ~60 times

@@ -17,6 +17,7 @@ import torch
 from voxbackend.components.flow_hift.flow_matching import FlowMatching
 from voxbackend.components.flow_hift.hift import HiFTGenerator, weight_norm_names
 from voxbackend.components.flow_hift.token2wav import Token2WavConfig
+from voxbackend.models.tiny_weights import perturb_default_inits
 
 TINY_CONFIG = {
     "flow": {
@@ -29,17 +30,6 @@ TINY_CONFIG = {
 }
 
 
-def _randomize(module: torch.nn.Module, generator: torch.Generator) -> None:
-    """Default inits leave norms at 1/0 and attention position biases at 0: perturb them so parity tests see them."""
-    for name, p in module.named_parameters():
-        if p.ndim == 1 and (name.endswith("weight") or name.endswith("alpha")):
-            p.data = 1.0 + 0.2 * torch.randn(p.shape, generator=generator)
-        elif p.ndim == 1 and name.endswith("bias"):
-            p.data = 0.1 * torch.randn(p.shape, generator=generator)
-        elif "pos_bias" in name:
-            p.data = 0.1 * torch.randn(p.shape, generator=generator)
-
-
 def tiny_state_dicts(seed: int = 0, vocab_size: int | None = None) -> tuple[Token2WavConfig, dict, dict]:
     """`vocab_size`: the flow's token table (None: TINY_CONFIG's; a whole tiny CosyVoice2 needs the real 6561)."""
     config = TINY_CONFIG if vocab_size is None else {**TINY_CONFIG, "flow": {**TINY_CONFIG["flow"], "vocab_size": vocab_size}}
@@ -48,8 +38,8 @@ def tiny_state_dicts(seed: int = 0, vocab_size: int | None = None) -> tuple[Toke
         torch.manual_seed(seed)
         flow, hift = FlowMatching(cfg.flow), HiFTGenerator(cfg.hift)
     generator = torch.Generator().manual_seed(seed + 1)
-    _randomize(flow, generator)
-    _randomize(hift, generator)
+    perturb_default_inits(flow, generator)
+    perturb_default_inits(hift, generator)
     with torch.no_grad():
         # ISTFT log-magnitudes near 4 with small swings: audio around 0.1, rarely at the clipping limit
         half = cfg.hift.n_fft // 2 + 1

@@ -39,7 +39,6 @@ from voxbackend.tensor_spec import TensorSpec
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 NUM_SPEAKERS = 10  # speaker ids are conversation roles; single digits as in the model card's examples
-MAX_TEXT_CHARS = 4000
 MAX_FRAMES = 1125  # 90 s, the official generator's default limit
 
 
@@ -152,12 +151,7 @@ class CsmFrontend(SpeechModel):
         return rows
 
     def _text_rows(self, text: str, speaker: int, field: str) -> list[list[int]]:
-        if not isinstance(text, str):
-            raise InvalidRequest(f"{field} must be a string, got {type(text).__name__}", field=field)
-        if not text.strip():
-            raise InvalidRequest(f"{field} is empty", field=field)
-        if len(text) > MAX_TEXT_CHARS:
-            raise InvalidRequest(f"{field} is {len(text)} characters; the limit is {MAX_TEXT_CHARS}", field=field)
+        self.check_text(text, field)
         ids = [self.bos, *self.text_tokenizer.encode(f"[{speaker}]{text}"), self.eos]
         if max(ids) >= self.text_vocab:
             raise InvalidRequest(f"{field} contains special tokens outside the model's text vocabulary", field=field)

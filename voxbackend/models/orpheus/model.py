@@ -32,7 +32,6 @@ AUDIO_BASE = 128266
 CODEBOOK = 4096
 FRAME = 7  # tokens per SNAC frame: 1 + 2 + 4 codes of the three SNAC levels
 VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
-MAX_TEXT_CHARS = 4000
 KEEP = slice(2048, 4096)  # samples of a 4-frame window that are played
 MAX_TOKENS = 1200  # the official engine's max_tokens (about 14 s of audio)
 
@@ -93,12 +92,7 @@ class OrpheusFrontend(SpeechModel):
         )
 
     def prepare(self, text: str, voice: str | None = None) -> list[int]:
-        if not isinstance(text, str):
-            raise InvalidRequest(f"text must be a string, got {type(text).__name__}", field="text")
-        if not text.strip():
-            raise InvalidRequest("text is empty", field="text")
-        if len(text) > MAX_TEXT_CHARS:
-            raise InvalidRequest(f"text is {len(text)} characters; the limit is {MAX_TEXT_CHARS}", field="text")
+        self.check_text(text)
         voice = voice or VOICES[0]
         if voice not in VOICES:
             raise InvalidRequest(f"unknown voice {voice!r}; choose one of {', '.join(VOICES)}", field="voice")

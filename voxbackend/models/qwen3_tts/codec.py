@@ -35,6 +35,7 @@ from voxbackend.components.mimi.decoder import (
     Attention, CausalConv1d, CausalConvTranspose1d, LayerScale, _Layout, window_attention_inputs,
 )
 from voxbackend.components.mimi.weights import read_codec_tensors
+from voxbackend.models.decoder import RMSNorm
 
 # Qwen3TTSTokenizerV2DecoderConfig's defaults (the released checkpoint states every field except head_dim's
 # fallback); codebook_dim has no default there, 512 is the released value.
@@ -145,17 +146,6 @@ class DecoderBlock(nn.Module):
         for unit in self.block[2:]:
             x = unit(x, buf, ends * self.rate)
         return x
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class MLP(nn.Module):

@@ -43,7 +43,6 @@ from voxbackend.models.text_tokens import TextTokenizer
 from voxbackend.sampling_params import SamplingParams
 from voxbackend.tensor_spec import TensorSpec
 
-MAX_TEXT_CHARS = 4000
 MAX_NEW_TOKENS = 2048  # qwen_tts' hard default when the checkpoint's generation_config.json does not say
 MIN_NEW_TOKENS = 2  # the reference's min_new_tokens: no EOS in the first two frames
 SPEECH_TOKENIZER = "speech_tokenizer"
@@ -93,7 +92,6 @@ class Qwen3TTSFrontend(SpeechModel):
     """What preprocessing needs (prompt rows, request inputs, spec, default sampling): no talker or codec weights."""
 
     text_streaming = True
-    max_text_chars = MAX_TEXT_CHARS
     # one Triton schema for every variant: what a checkpoint does not take is refused by prepare, naming the field
     request_inputs = (
         TensorSpec("VOICE", "STRING", optional=True,
@@ -363,13 +361,7 @@ class Qwen3TTSFrontend(SpeechModel):
         return [codec_id] + [-1] * (self.groups - 1) + [text_id]
 
     def _text(self, text, field: str) -> str:
-        if not isinstance(text, str):
-            raise InvalidRequest(f"{field} must be a string, got {type(text).__name__}", field=field)
-        if not text.strip():
-            raise InvalidRequest(f"{field} is empty", field=field)
-        if len(text) > MAX_TEXT_CHARS:
-            raise InvalidRequest(f"{field} is {len(text)} characters; the limit is {MAX_TEXT_CHARS}", field=field)
-        return text
+        return self.check_text(text, field)
 
     def _speaker(self, voice) -> str | None:
         if self.variant == "voice_design":
