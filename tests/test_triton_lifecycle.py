@@ -202,11 +202,12 @@ class Busy:
 
 # the fake holds one stream per max_batch slot and sends one chunk per prompt id
 FAKE_BUSY = Busy({**FAKE, "max_batch": "1"}, "a long stream " * 28, 7000, 70)
-# The real tiny Orpheus, every stream through `orpheus` (one engine: alone, a long stream of this tiny model ends
-# within a second or two): two ~400-token prompts take 50 of 64 KV pages, so a third (25 pages for its prompt,
-# one free page per running stream on top) waits; playback_margin_s keeps every stream pressing, so a newcomer
-# waits rather than preempts a running one. 400 + 600 tokens fit the pool alone (one that never could is refused).
-REAL_BUSY = Busy({"kv_pages": "64", "max_queue": "8", "playback_margin_s": "1000"}, "hello " * 100, 600, 35,
+# The real tiny Orpheus, every stream through `orpheus` (one engine: a long stream of this tiny model ends within a
+# few seconds, and 600 tokens once ended before SIGINT on a loaded CI machine, so the streams ask Orpheus's most):
+# two ~800-token prompts take 100 of 128 KV pages, so a third (50 pages for its prompt, one free page per running
+# stream on top) waits; playback_margin_s keeps every stream pressing, so a newcomer waits rather than preempts a
+# running one. 800 + 1200 tokens fit the pool alone (one that never could is refused).
+REAL_BUSY = Busy({"kv_pages": "128", "max_queue": "8", "playback_margin_s": "1000"}, "hello " * 200, 1200, 35,
                  models=("orpheus", "orpheus"))
 
 
