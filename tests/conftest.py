@@ -1,11 +1,27 @@
 """Shared fixtures. Tests never touch the network: the checkpoints are built locally from a seed."""
 import os
 import re
+import shutil
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
+
+# One tiny-checkpoint cache for the whole run: the xdist workers inherit the controller's environment (it imports
+# this file before starting them) and so does every tritonserver a test starts; each default checkpoint is built
+# once (atomically, voxbackend.models.checkpoint_cache) and removed with the folder at the end of the run.
+_OWNS_CACHE = "VOXBACKEND_TEST_CACHE" not in os.environ
+if _OWNS_CACHE:
+    os.environ["VOXBACKEND_TEST_CACHE"] = tempfile.mkdtemp(prefix="voxbackend-test-cache-")
+os.environ["VOXBACKEND_CACHE"] = str(Path(os.environ["VOXBACKEND_TEST_CACHE"]) / "default")
+
+
+def pytest_unconfigure(config):
+    if _OWNS_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ["VOXBACKEND_TEST_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -22,19 +38,20 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
-def tiny_orpheus(tmp_path_factory):
-    """(model_dir, codec_dir): tiny random Orpheus LM + SNAC 24 kHz (decoder_dim 64), seed 0."""
-    from voxbackend.models.orpheus.tiny import write_default
+def tiny_orpheus():
+    """(model_dir, codec_dir): tiny random Orpheus LM + SNAC 24 kHz (decoder_dim 64), seed 0: the run's cached
+    default, the one the Triton models build when no checkpoint is configured."""
+    from voxbackend.models.orpheus.tiny import ensure_default_checkpoint
 
-    return write_default(tmp_path_factory.mktemp("tiny_orpheus"), seed=0, size="tiny")
+    return ensure_default_checkpoint()
 
 
 @pytest.fixture(scope="session")
-def tiny_csm(tmp_path_factory):
-    """A tiny random CSM-1B-architecture checkpoint (HF layout, Mimi inside), seed 0."""
-    from voxbackend.models.csm.tiny import write_tiny_csm
+def tiny_csm():
+    """A tiny random CSM-1B-architecture checkpoint (HF layout, Mimi inside), seed 0: the run's cached default."""
+    from voxbackend.models.csm.tiny import ensure_default_csm
 
-    return write_tiny_csm(tmp_path_factory.mktemp("tiny_csm"), seed=0)
+    return ensure_default_csm()[0]
 
 
 # The slow tier: modules that start a tritonserver (directly, through the launcher, or through a perf script).

@@ -1,7 +1,7 @@
 """The cosyvoice2 deployment end to end: a real tritonserver on loopback serving the generated cosyvoice2_preprocess,
 cosyvoice2_engine and cosyvoice2 folders unchanged (copied into a repository of their own).
 
-No checkpoint is configured, so the engine model builds the tiny default CosyVoice2 itself (in a temporary
+No checkpoint is configured, so the engine model builds the tiny default CosyVoice2 itself (in the test run's
 VOXBACKEND_CACHE); the reference engine in this process loads that same checkpoint. The voice's prompt tokens,
 mel and speaker embedding are computed in the preprocess and reach the engine as tensors.
 """
@@ -74,23 +74,18 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("voxbackend_cache") / "default"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, cache_dir):
+def server(tmp_path_factory):
     repo = committed_models(FOLDERS, tmp_path_factory.mktemp("repo"))
-    yield from serve(repo, tmp_path_factory.mktemp("triton"), {"VOXBACKEND_CACHE": str(cache_dir)})
+    yield from serve(repo, tmp_path_factory.mktemp("triton"))
 
 
 @pytest.fixture(scope="module")
-def reference(server, cache_dir):
+def reference(server):
     """Engine.synthesize in this process, on the checkpoint the server built."""
     import voxbackend
     from voxbackend.models.cosyvoice2.tiny import ensure_default_cosyvoice2
 
-    model_dir, _ = ensure_default_cosyvoice2(cache_dir.with_name(cache_dir.name + "-cosyvoice2"))
+    model_dir, _ = ensure_default_cosyvoice2()  # the server's build (the run's cache)
     engine = voxbackend.load(model_dir)
     engine.start()
 

@@ -1,7 +1,7 @@
 """The csm deployment end to end: a real tritonserver on loopback serving the committed csm_preprocess, csm_engine,
 csm folders unchanged (copied into a repository of their own, so Orpheus is not loaded).
 
-No checkpoint is configured, so the engine model builds the tiny default CSM itself (in a temporary
+No checkpoint is configured, so the engine model builds the tiny default CSM itself (in the test run's
 VOXBACKEND_CACHE); the reference engine in this process loads that same checkpoint. One server for the module.
 """
 from __future__ import annotations
@@ -87,23 +87,18 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("voxbackend_cache") / "default"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, cache_dir):
+def server(tmp_path_factory):
     repo = committed_models(FOLDERS, tmp_path_factory.mktemp("repo"))
-    yield from serve(repo, tmp_path_factory.mktemp("triton"), {"VOXBACKEND_CACHE": str(cache_dir)})
+    yield from serve(repo, tmp_path_factory.mktemp("triton"))
 
 
 @pytest.fixture(scope="module")
-def reference(server, cache_dir):
+def reference(server):
     """Engine.synthesize in this process, on the checkpoint the server built."""
     import voxbackend
     from voxbackend.models.csm.tiny import ensure_default_csm
 
-    model_dir, _ = ensure_default_csm(cache_dir.with_name(cache_dir.name + "-csm"))  # the server's build
+    model_dir, _ = ensure_default_csm()  # the server's build (the run's cache)
     engine = voxbackend.load(model_dir)
     engine.start()
 

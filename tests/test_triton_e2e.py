@@ -1,7 +1,7 @@
 """End to end against a real tritonserver on loopback, serving the committed model_repository unchanged.
 
 The server is started the way Triton users start it (the committed configs, no checkpoint configured), so
-the engine model builds the tiny default checkpoint itself (into a temporary VOXBACKEND_CACHE); the reference
+the engine model builds the tiny default checkpoint itself (into the test run's VOXBACKEND_CACHE, tests/conftest.py); the reference
 engine in this process then loads that same checkpoint. One server for the whole module.
 """
 from __future__ import annotations
@@ -46,22 +46,17 @@ VOICES = ["tara", "leo", None, "mia"]
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("voxbackend_cache") / "default"
+def server(tmp_path_factory):
+    yield from serve(configs.DEFAULT_REPOSITORY, tmp_path_factory.mktemp("triton"))
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, cache_dir):
-    yield from serve(configs.DEFAULT_REPOSITORY, tmp_path_factory.mktemp("triton"), {"VOXBACKEND_CACHE": str(cache_dir)})
-
-
-@pytest.fixture(scope="module")
-def reference(server, cache_dir):
+def reference(server):
     """An in-process engine on the checkpoint the server built: Engine.synthesize, memoised."""
     import voxbackend
     from voxbackend.models.orpheus.tiny import ensure_default_checkpoint
 
-    model_dir, codec_dir = ensure_default_checkpoint(cache_dir)  # reuses the server's build
+    model_dir, codec_dir = ensure_default_checkpoint()  # the server's build (the run's cache)
     engine = voxbackend.load(model_dir, codec_dir)
     engine.start()
     memo: dict[tuple, np.ndarray] = {}

@@ -2,7 +2,7 @@
 qwen3_tts_engine and qwen3_tts folders unchanged (copied into a repository of their own).
 
 No checkpoint is configured, so the engine model builds the tiny default Qwen3-TTS (CustomVoice, tagged 0.6B:
-INSTRUCT is refused) in a temporary VOXBACKEND_CACHE; the reference engine in this process loads the same folder.
+INSTRUCT is refused) in the test run's VOXBACKEND_CACHE; the reference engine in this process loads the same folder.
 """
 from __future__ import annotations
 
@@ -60,23 +60,18 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("voxbackend_cache") / "default"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, cache_dir):
+def server(tmp_path_factory):
     repo = committed_models(FOLDERS, tmp_path_factory.mktemp("repo"))
-    yield from serve(repo, tmp_path_factory.mktemp("triton"), {"VOXBACKEND_CACHE": str(cache_dir)})
+    yield from serve(repo, tmp_path_factory.mktemp("triton"))
 
 
 @pytest.fixture(scope="module")
-def reference(server, cache_dir):
+def reference(server):
     """Engine.synthesize in this process, on the checkpoint the server built."""
     import voxbackend
     from voxbackend.models.qwen3_tts.tiny import ensure_default_qwen3_tts
 
-    model_dir, _ = ensure_default_qwen3_tts(cache_dir.with_name(cache_dir.name + "-qwen3-tts"))
+    model_dir, _ = ensure_default_qwen3_tts()  # the server's build (the run's cache)
     engine = voxbackend.load(model_dir)
     engine.start()
 
