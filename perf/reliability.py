@@ -987,13 +987,13 @@ def probe_soak(suite: Suite) -> list[Result]:
 
 
 FAKE_ENGINE = {  # the weights-free stand-in, selected by the same parameters a deployment sets
-    "checkpoint": "unused", "engine_loader": "voxbackend.triton.fake_engine:load",
-    "frontend_loader": "voxbackend.triton.fake_engine:load_frontend", "kv_pages": "100", "max_queue": "2",
+    "checkpoint": "unused", "engine_loader": "voxbackend.testing.fake_engine:load",
+    "frontend_loader": "voxbackend.testing.fake_engine:load_frontend", "kv_pages": "100", "max_queue": "2",
 }
 
 
 def probe_engine_fault(suite: Suite) -> list[Result]:
-    """A second server with the fake engine (voxbackend/triton/fake_engine.py): a request whose text holds
+    """A second server with the fake engine (voxbackend/testing/fake_engine.py): a request whose text holds
     "__die__" kills its engine loop, a fault production code cannot be asked for."""
     from voxbackend.deploy import configs
     from voxbackend.deploy.server import TritonServer
@@ -1025,7 +1025,7 @@ def probe_engine_fault(suite: Suite) -> list[Result]:
         t_stop = time.monotonic()
         code = server.close()
         stop_s = time.monotonic() - t_stop
-    ended = [v is not None and v.chunks and v.error and "engine failed" in v.error and v.responses == len(v.chunks) + 1
+    ended = [v is not None and v.chunks and v.error and "engine stopped" in v.error and v.responses == len(v.chunks) + 1
              for v in victims]
     refused = [a.error is not None and "EngineDead" in a.error for a in after]
     ok = alive_before == 1 and dead and all(k.error is not None for k in killers) and all(ended) and all(refused)

@@ -29,8 +29,8 @@ from tests.util_http import get_json, http_status  # noqa: E402
 
 FAKE = {
     "checkpoint": "unused",  # the fake ignores it; a non-empty value skips building the default checkpoint
-    "engine_loader": "voxbackend.triton.fake_engine:load",
-    "frontend_loader": "voxbackend.triton.fake_engine:load_frontend",
+    "engine_loader": "voxbackend.testing.fake_engine:load",
+    "frontend_loader": "voxbackend.testing.fake_engine:load_frontend",
     # pages grow with each sequence, as in the real engine: two requests of 560 prompt ids (35 pages each, 44 at
     # the end of their 20 chunks) fit together; the next ones wait (as in tests/test_triton_faults.py)
     "kv_pages": "100",
@@ -129,7 +129,7 @@ def test_an_engine_death_is_503_and_health_says_so(triton, api, client):
         t.start()
     assert all(event.wait(30) for event in started), "the victims never got audio"
     killer = stream_request(triton.grpc_url, "orpheus", make_inputs("__die__ please", MAX_TOKENS=7), timeout=30)
-    assert killer.error and "engine failed" in killer.error
+    assert killer.error and "engine stopped" in killer.error
     for t in victims:
         t.join(60)
     errors = [m for m in socket_messages if m["type"] == "error"]

@@ -11,7 +11,7 @@ import pytest
 from voxbackend.errors import InvalidRequest
 from voxbackend.models.registry import get_kind
 from voxbackend.sampling_params import SamplingParams
-from voxbackend.triton.fake_engine import FakeEngine, FakeModel, FakeStreamingModel
+from voxbackend.testing.fake_engine import FakeEngine, FakeModel, FakeStreamingModel
 from voxbackend.triton.streams import ResponseLoop
 from voxbackend.triton.text_sequences import Piece, TextSequences
 from tests.util_responder import Recorder
@@ -162,11 +162,11 @@ def test_append_text_after_the_end_is_refused():
         rid = engine.submit(engine.model.prepare("Hello"), SamplingParams(seed=1), lambda ev: ev.final and done.set(),
                             text_open=True)
         engine.append_text(rid, engine.model.text_piece_ids(" there"), final=True)
-        with pytest.raises(InvalidRequest, match="already has all its text") as e:
+        with pytest.raises(InvalidRequest, match="its text is already closed") as e:
             engine.append_text(rid, [1], final=True)
         assert e.value.field == "text"
         assert done.wait(5)
-        with pytest.raises(InvalidRequest, match="not running"):
+        with pytest.raises(InvalidRequest, match="unknown, finished"):
             engine.append_text(rid, [1], final=True)
     finally:
         engine.shutdown()

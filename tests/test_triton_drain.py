@@ -25,13 +25,13 @@ from voxbackend.stream_client import StreamOutcome, make_inputs, stream_request,
 from tests.triton_util import committed_models, start_serve  # noqa: E402
 from voxbackend.deploy import configs  # noqa: E402
 from voxbackend.triton.drain import http_port_open, server_http_address  # noqa: E402
-from voxbackend.triton.fake_engine import TOKENS_PER_CHUNK, FakeStreamingModel  # noqa: E402
+from voxbackend.testing.fake_engine import TOKENS_PER_CHUNK, FakeStreamingModel  # noqa: E402
 from voxbackend.deploy.server import TritonServer  # noqa: E402
 
 FAKE = {
     "checkpoint": "unused",
-    "engine_loader": "voxbackend.triton.fake_engine:load_streaming",
-    "frontend_loader": "voxbackend.triton.fake_engine:load_streaming_frontend",
+    "engine_loader": "voxbackend.testing.fake_engine:load_streaming",
+    "frontend_loader": "voxbackend.testing.fake_engine:load_streaming_frontend",
     "kv_pages": "4096",
     "max_batch": "8",
 }

@@ -1,6 +1,6 @@
 """Faults on a real tritonserver: a full queue and a dead engine, with the weights-free fake engine.
 
-The fake (voxbackend.triton.fake_engine) is selected through the same config parameters a deployment uses
+The fake (voxbackend.testing.fake_engine) is selected through the same config parameters a deployment uses
 (engine_loader / frontend_loader), so everything between the client and the engine API is the real thing.
 The engine-death test runs last: it leaves the model without an engine.
 """
@@ -23,8 +23,8 @@ from tests.triton_util import metric, run_concurrently, serve  # noqa: E402
 
 FAKE = {
     "checkpoint": "unused",  # the fake ignores it; a non-empty value skips building the default checkpoint
-    "engine_loader": "voxbackend.triton.fake_engine:load",
-    "frontend_loader": "voxbackend.triton.fake_engine:load_frontend",
+    "engine_loader": "voxbackend.testing.fake_engine:load",
+    "frontend_loader": "voxbackend.testing.fake_engine:load_frontend",
     # pages grow with each sequence, as in the real engine: two requests of 560 prompt ids (35 pages each) and
     # 20 chunks (140 positions more: 44 pages each at the end) fit together; a third waits (its 35 pages and one
     # free page per running request are more than the 30 left), and nobody is preempted
@@ -85,10 +85,10 @@ def test_an_engine_failure_ends_every_stream_with_an_error_and_refuses_new_ones(
     for t in threads:
         t.join(60)
     for killer in killers:
-        assert killer.error and "engine failed" in killer.error, killer.error
+        assert killer.error and "engine stopped" in killer.error, killer.error
     assert len(victims) == 2
     for v in victims:  # they had audio, then one error; nothing hangs
-        assert v.chunks and v.error and "engine failed" in v.error, v.error
+        assert v.chunks and v.error and "engine stopped" in v.error, v.error
     for model in ("orpheus", "orpheus_engine"):
         after = stream_request(server.grpc_url, model, make_inputs("hello again"), timeout=30)
         assert after.error and "EngineDead" in after.error, after.error

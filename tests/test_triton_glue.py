@@ -19,7 +19,7 @@ from voxbackend.models.orpheus.model import OrpheusFrontend
 from voxbackend.sampling_params import SamplingParams
 from voxbackend.triton import audio_encoding, fields, schema
 from voxbackend.triton.cancel_channel import CancelListener, send_cancel, send_shutdown, server_listeners
-from voxbackend.triton.fake_engine import FakeEngine, fake_audio
+from voxbackend.testing.fake_engine import FakeEngine, fake_audio
 from voxbackend.triton.loading import instance_settings
 from voxbackend.triton.drain import DRAINING, DrainWatch, grace_expired, server_http_address
 from voxbackend.triton.streams import ERROR_PREFIX, ResponseLoop, Stream, _Add

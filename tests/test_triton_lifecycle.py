@@ -32,8 +32,8 @@ from tests.triton_util import serve, start_serve  # noqa: E402
 
 FAKE = {
     "checkpoint": "unused",  # the fake ignores it; a non-empty value skips building the default checkpoint
-    "engine_loader": "voxbackend.triton.fake_engine:load",
-    "frontend_loader": "voxbackend.triton.fake_engine:load_frontend",
+    "engine_loader": "voxbackend.testing.fake_engine:load",
+    "frontend_loader": "voxbackend.testing.fake_engine:load_frontend",
     "max_batch": "1",
     "max_queue": "8",
 }

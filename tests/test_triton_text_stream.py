@@ -30,8 +30,8 @@ MODEL = "orpheus_text_stream"
 IDLE_S = 1.5
 FAKE = {
     "checkpoint": "unused",
-    "engine_loader": "voxbackend.triton.fake_engine:load_streaming",
-    "frontend_loader": "voxbackend.triton.fake_engine:load_streaming_frontend",
+    "engine_loader": "voxbackend.testing.fake_engine:load_streaming",
+    "frontend_loader": "voxbackend.testing.fake_engine:load_streaming_frontend",
     "kv_pages": "4096",
     "max_batch": "4",  # 4 sequence slots
 }

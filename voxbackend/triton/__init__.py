@@ -11,5 +11,9 @@ SpeechLM. The repository generator and the launcher live in voxbackend.deploy.
     fields.py            request tensors -> validated values; audio_encoding.py: sample encodings
     metrics.py           Prometheus families via pb_utils.MetricFamily
     loading.py           config parameters -> engine / front end; default checkpoint
-    fake_engine.py       weights-free Engine stand-in for glue tests and fault injection
+    text_stream_model.py `<model>_text_stream`: one utterance's text in pieces (a Triton sequence), one stream
+    text_sequences.py    the pieces of one sequence -> one engine request; text_commit.py: which ids are final
+    pb_glue.py           thin helpers over triton_python_backend_utils
+
+The weights-free engine double for glue tests and fault injection is voxbackend.testing.fake_engine.
 """

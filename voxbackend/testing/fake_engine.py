@@ -1,7 +1,12 @@
 """A weights-free stand-in with the Engine API, for exercising the Triton glue (tests, fault injection).
 
-Select it with the engine parameters `engine_loader: voxbackend.triton.fake_engine:load` and
-`frontend_loader: voxbackend.triton.fake_engine:load_frontend`. Audio is a deterministic function of the
+Why a double and not the real engine: it kills its loop on demand, holds a stream for as long as a test needs
+(one chunk per `step_s`, any length) and makes audio a test can predict without a model. tests/test_fake_engine.py
+runs the same requests through it and the real Engine so that the two cannot drift apart (API, error messages,
+events, stats, KV accounting).
+
+Select it with the engine parameters `engine_loader: voxbackend.testing.fake_engine:load` and
+`frontend_loader: voxbackend.testing.fake_engine:load_frontend`. Audio is a deterministic function of the
 prompt and seed; one chunk per `step_s` per running request. KV pages follow the real engine's accounting: a
 request is admitted with the pages of its prompt (plus one free page per running request), grows a page as its
 positions (prompt + TOKENS_PER_CHUNK per chunk sent) need one, and when the pool is dry the latest admitted is
@@ -24,6 +29,7 @@ from typing import Callable
 
 import numpy as np
 
+from voxbackend.engine.engine import EngineStats
 from voxbackend.errors import EngineDead, EngineOverloaded, InvalidRequest
 from voxbackend.events import Event, EventKind
 from voxbackend.models.base import as_prompt
@@ -134,15 +140,6 @@ class _Req:
 
 
 @dataclass
-class FakeStats:
-    running: int
-    queued: int
-    kv_pages_used: int
-    kv_pages_total: int
-    preemptions: int
-
-
-@dataclass
 class FakeEngine:
     kv_pages: int = 64
     page_size: int = 16
@@ -162,6 +159,7 @@ class FakeEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.alive = True
+        self.dead_reason: str | None = None
 
     def start(self) -> None:
         if self._thread is None:
@@ -172,20 +170,20 @@ class FakeEngine:
                streaming: bool = True, text_open: bool = False) -> str:
         prompt_ids = as_prompt(prompt).ids  # the glue hands over a Prompt (ids and conditioning arrays)
         if text_open and not self.model.text_streaming:
-            raise InvalidRequest(f"{self.model.spec.name} cannot take text in pieces", field="text")
+            raise InvalidRequest(f"{self.model.spec.name} does not take text in pieces (text_open)", field="text")
         sampling = sampling or self.model.default_sampling()
         if not self.alive:
-            raise EngineDead("the engine loop died")
+            raise EngineDead(f"engine stopped after a failure: {self.dead_reason}")
         if not prompt_ids:
-            raise InvalidRequest("prompt is empty", field="prompt_ids")
+            raise InvalidRequest("prompt is empty")
         sampling = sampling.validated()
         pages = self._pages_for(len(prompt_ids) + sampling.max_tokens)
         if pages > self.kv_pages:
-            raise InvalidRequest(f"request needs {pages} KV pages; the pool has {self.kv_pages}",
-                                 field="max_tokens")
+            raise InvalidRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) needs "
+                                 f"{pages} KV pages; the pool has {self.kv_pages}", field="max_tokens")
         with self._lock:
             if len(self._waiting) >= self.max_queue:
-                raise EngineOverloaded(f"overloaded: {len(self._waiting)} requests are queued (max_queue)")
+                raise EngineOverloaded(f"overloaded: {self.max_queue} requests already queued; retry later")
             rid = request_id or uuid.uuid4().hex
             text = bytes(i for i in prompt_ids if i < 256).decode("utf-8", "replace")
             self._arrivals += 1
@@ -202,10 +200,9 @@ class FakeEngine:
     def append_text(self, request_id: str, ids: list[int], final: bool) -> None:
         with self._lock:
             r = self._running.get(request_id) or next((w for w in self._waiting if w.request_id == request_id), None)
-            if r is None or r.prompt is None:
-                raise InvalidRequest(f"request {request_id} is not running (unknown or finished)", field="text")
-            if not r.text_open:
-                raise InvalidRequest(f"request {request_id} already has all its text", field="text")
+            if r is None or r.prompt is None or not r.text_open:
+                raise InvalidRequest(f"request {request_id!r} is unknown, finished or its text is already closed",
+                                     field="text")
             r.prompt.extend(int(i) for i in ids)
             r.text_open = not final
 
@@ -214,9 +211,9 @@ class FakeEngine:
         with self._lock:
             self._cancelled.add(request_id)
 
-    def stats(self) -> FakeStats:
+    def stats(self) -> EngineStats:
         with self._lock:
-            return FakeStats(len(self._running), len(self._waiting), self._used, self.kv_pages, self.preemptions)
+            return EngineStats(len(self._running), len(self._waiting), self._used, self.kv_pages, self.preemptions)
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -232,13 +229,14 @@ class FakeEngine:
                 self._step()
                 time.sleep(self.step_s)
         except Exception as e:
+            self.dead_reason = str(e)
             self.alive = False
             with self._lock:
                 dead = list(self._running.values()) + self._waiting
                 self._running.clear(), self._waiting.clear()
                 self._used = 0
             for r in dead:
-                r.on_event(Event(r.request_id, EventKind.ERROR, index=r.sent, error=f"engine failed: {e}"))
+                r.on_event(Event(r.request_id, EventKind.ERROR, index=r.sent, error=f"engine stopped: {e}"))
 
     def _step(self) -> None:
         with self._lock:
@@ -252,7 +250,7 @@ class FakeEngine:
                     r.on_event(Event(rid, EventKind.FINISHED, index=r.sent, finish_reason="cancelled"))
         for r in batch:
             if r.die:
-                raise RuntimeError("injected failure")
+                raise RuntimeError(f"injected failure ({DIE} in the text)")
             if r.request_id in cancelled:
                 self._retire(r, "cancelled")
             elif r.prompt is not None:
