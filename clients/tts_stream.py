@@ -79,7 +79,8 @@ def sampling_fields(a: argparse.Namespace) -> dict[str, float | int | None]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address")
-    ap.add_argument("--model", default="orpheus", help="orpheus, csm, qwen3_tts or cosyvoice2, or orpheus_engine / csm_engine")
+    ap.add_argument("--model", default="orpheus",
+                    help="orpheus, csm, qwen3_tts or cosyvoice2, or orpheus_engine / csm_engine")
     ap.add_argument("--text", default="Hello there, this is a streaming speech server.")
     ap.add_argument("--text-pieces", default=None,
                     help='the text in pieces, "piece1|piece2|..." (a <model>_text_stream model): one Triton sequence')

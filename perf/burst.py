@@ -17,7 +17,8 @@ class BurstRequest:
     final: Any  # the request's final Event (token_ids, finish_reason)
 
 
-def run_burst(engine, submissions: list[tuple[Any, Any]], timeout_s: float = 3600.0) -> tuple[float, list[BurstRequest]]:
+def run_burst(engine, submissions: list[tuple[Any, Any]],
+              timeout_s: float = 3600.0) -> tuple[float, list[BurstRequest]]:
     """(prompt, sampling) pairs submitted together -> (wall to the last final event, one record per submission)."""
     from voxbackend import EventKind
 

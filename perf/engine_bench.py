@@ -441,7 +441,8 @@ def parse_args(argv: list[str] | None):
                     help="checkpoint size: voxbackend.models.orpheus.tiny SIZES, or 'quick' (smoke test)")
     ap.add_argument("--streams", default="1,8,32", help="comma-separated concurrent stream counts")
     ap.add_argument("--max-tokens", type=int, default=256,
-                    help="LM tokens per request (7 per 85 ms frame; 256 ~ 3 s of audio, like perf/data/pa_orpheus_max256.json)")
+                    help="LM tokens per request (7 per 85 ms frame; 256 ~ 3 s of audio, like "
+                         "perf/data/pa_orpheus_max256.json)")
     ap.add_argument("--naive-requests", type=int, default=4,
                     help="requests the naive baseline serves for real at each stream count > 1")
     ap.add_argument("--single-rounds", type=int, default=3,
@@ -628,7 +629,8 @@ def main(argv: list[str] | None = None) -> Path:
         "decoder parameters; the engine's voxbackend.models.orpheus.snac, the naive side `snac.SNAC`, same files",
         f"- weights: random (voxbackend.models.orpheus.tiny, seed {args.seed}), cached at {model_dir.parent}",
         f"- dataset: {dataset}; voice of request i: VOICES[i % 8]",
-        f"- arrival process: burst (all N at t=0), closed loop; seeds: request i uses seed {args.seed} + i on both sides",
+        f"- arrival process: burst (all N at t=0), closed loop; seeds: request i uses seed {args.seed} + i on "
+        "both sides",
         f"- sampling (both): temperature {OFFICIAL['temperature']}, top_p {OFFICIAL['top_p']}, repetition_penalty "
         f"{OFFICIAL['repetition_penalty']}, max_tokens {args.max_tokens}, audio-token constraint on. The two systems "
         "draw random numbers differently (engine: counter-based per row; naive: torch global RNG), so equal seeds "

@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
     ap.add_argument("--prompts", default=str(ROOT / "perf/data/prompts.txt"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape; 1 = Poisson (the goodput of docs/metrics.md)")
+    ap.add_argument("--burstiness", type=float, default=1.0,
+                    help="Gamma shape; 1 = Poisson (the goodput of docs/metrics.md)")
     ap.add_argument("--ttfa-p90", type=float, default=1.0, help="p90 TTFA target in seconds")
     ap.add_argument("--stall-free", type=float, default=0.99, help="stall-free request share target (0-1)")
     ap.add_argument("--stop-after-failures", type=int, default=2, help="0 = always run every rate")

@@ -301,7 +301,7 @@ def report(st: Settings, info: dict, sweep, gps, results, stem: str, wall_s: flo
         "otherwise",
         "- dataset: lengths drawn per request (2-6 s of audio; 'mixed': 70% 0.5-1.5 s, 30% 10-20 s), 40-token "
         "prompts",
-        f"- delivery: " + (f"each chunk reaches the client after an exponential delay of mean "
+        "- delivery: " + (f"each chunk reaches the client after an exponential delay of mean "
                            f"{1000 * st.delivery_jitter_s:g} ms (in order)" if st.delivery_jitter_s else
                            "at once (no serving path modelled)"),
         f"- arrivals: open loop, {st.duration_s:g} s per run; seeds {list(st.seeds)}; mean ± 95% t-interval over "

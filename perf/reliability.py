@@ -677,8 +677,8 @@ def probe_bad_inputs(suite: Suite, cases: tuple[BadInput, ...]) -> list[Result]:
     backdrops = []
     for fam in families:  # one long stream per model family, run alone first as the reference
         tokens = 50 if fam == "csm" else 420  # CSM counts 80 ms frames
-        inputs = (lambda fam=fam, tokens=tokens: make_inputs(TEXTS[2], None, "fp32", MAX_TOKENS=tokens, SEED=7,
-                                                            TOP_K=TOP_K))
+        def inputs(fam=fam, tokens=tokens):
+            return make_inputs(TEXTS[2], None, "fp32", MAX_TOKENS=tokens, SEED=7, TOP_K=TOP_K)
         ref = stream_request(suite.url, fam, inputs(), "fp32", timeout=240, request_id="reference")
         if intact(ref) or len(ref.chunks) < 2:
             return [Result("bad_input", "a long reference stream", f"reference failed: {intact(ref)}", ERROR)]
@@ -773,7 +773,8 @@ def probe_cancel_storm(suite: Suite) -> list[Result]:
     delta = metric_total(suite.metrics_url, "voxbackend_requests_finished_total", reason="cancelled") - before
     observed = (("; ".join(problems[:4]) if problems else "8 kept streams intact, 8 hung up after 2 chunks")
                 + f"; engine counted {delta:g} cancelled")
-    return [settled(suite, "cancel_storm", "16 concurrent streams (12 through `orpheus`, 4 direct), every odd one cancelled "
+    return [settled(suite, "cancel_storm",
+                    "16 concurrent streams (12 through `orpheus`, 4 direct), every odd one cancelled "
                     "after 2 chunks: the others finish intact, the engine counts 8 cancellations, pages and active "
                     "streams back to 0", observed, not problems and counted, t0)]
 
@@ -791,7 +792,8 @@ def probe_kill_running(suite: Suite) -> list[Result]:
     freed, took = wait_until(lambda: suite.gauges().idle, 10, step=0.05)
     observed = (f"{len(procs)} client processes streaming ({g}); kill -9: "
                 + (f"pages and streams back to 0 after {took:.2f} s" if freed else f"not idle after {took:.0f} s"))
-    return [settled(suite, "kill_running", "kill -9 of 4 streaming client processes (3 through `orpheus`, 1 direct): pages and "
+    return [settled(suite, "kill_running",
+                    "kill -9 of 4 streaming client processes (3 through `orpheus`, 1 direct): pages and "
                     "active streams back to 0 within 2 s", observed, up and freed and took <= 2.0, t0)]
 
 
@@ -921,7 +923,8 @@ def probe_overload(suite: Suite) -> list[Result]:
     first_bad = next((o for o, c in zip(extras, clean) if not c), None)
     observed = (f"{pool}; queue {'full' if full else 'NOT full'} ({MAX_QUEUE} waiting); "
                 f"{sum(clean)}/{len(extras)} extra requests got one overloaded error"
-                + ("" if first_bad is None else f" (e.g. {short(first_bad.error, 80) if first_bad.error else 'accepted'})")
+                + ("" if first_bad is None
+                   else f" (e.g. {short(first_bad.error, 80) if first_bad.error else 'accepted'})")
                 + "; " + ("; ".join(broken[:3]) if broken else f"all {room} short queued requests finished intact"))
     return [settled(suite, "overload", f"past max_queue={MAX_QUEUE}: each extra request (front and direct) gets "
                     "exactly one EngineOverloaded error; the queued ones finish intact once the pool frees up",
@@ -1034,7 +1037,8 @@ def probe_engine_fault(suite: Suite) -> list[Result]:
                 + (f" (e.g. {short(next((v.error for v, e in zip(victims, ended) if not e and v), None), 80)})"
                    if not all(ended) else "")
                 + f"; new requests: {sum(refused)}/2 EngineDead"
-                + (f" (else: {[short(a.error, 80) for a, r in zip(after, refused) if not r]})" if not all(refused) else "")
+                + (f" (else: {[short(a.error, 80) for a, r in zip(after, refused) if not r]})"
+                   if not all(refused) else "")
                 + f"; that server stopped with exit {code} in "
                 f"{stop_s:.0f} s")
     return [Result("engine_fault", "an engine loop that dies (fake engine, __die__ request): engine_alive 0, every "
@@ -1115,7 +1119,8 @@ def probe_drain(suite: Suite) -> list[Result]:
     t0 = time.monotonic()
     repo = suite.tmp / "drain_repository"
     for folder in ("orpheus", "orpheus_preprocess", "orpheus_engine"):
-        shutil.copytree(configs.DEFAULT_REPOSITORY / folder, repo / folder, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(configs.DEFAULT_REPOSITORY / folder, repo / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
     server = _plain_server(suite, "drain", repo)
     try:
         tokens = 700  # 100 frames, 8.5 s of audio, MIN_TOKENS too: longer than the time to SIGTERM

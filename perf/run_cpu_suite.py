@@ -60,7 +60,8 @@ can play without stalls and every goodput is zero by definition. "tiny" (hidden 
 largest preset at which the engine plays a stream faster than real time; the sizing table below says how
 many concurrent streams it keeps above 1x on this run. Its decode step is dominated by fixed per-step costs
 (Python, op dispatch, sampling over 4097 candidates, the SNAC decoder), not by the matrix sizes, so the
-engine-vs-naive ratio here understates what batching gives on a GPU with a 3B model (where a step is memory-bound and batching pays far more).
+engine-vs-naive ratio here understates what batching gives on a GPU with a 3B model (where a step is \
+memory-bound and batching pays far more).
 The overhead step therefore also measures "bench", where the model's matrices do dominate."""
 DEFINITIONS = """\
 Metric definitions (docs/metrics.md, used exactly):
@@ -487,7 +488,8 @@ class Suite:
             try:
                 md = perf_analyzer(script, url, model, rng, st, out, self.log)
                 png = f"{model}_{'concurrency' if 'concurrency' in script else 'request_rate'}.png"
-                parts += [f"### {title} (range {rng})", "", md.strip(), "", f"![{title}]({self.assets.name}/pa/{png})", ""]
+                parts += [f"### {title} (range {rng})", "", md.strip(), "",
+                          f"![{title}]({self.assets.name}/pa/{png})", ""]
             except Exception as e:  # noqa: BLE001
                 parts += [f"### {title} (range {rng})", "", f"FAILED: {e}", ""]
                 self.log(f"  {title}: {e}")
@@ -514,14 +516,16 @@ class Suite:
         xrt = {n: max((s["x_real_time"] or 0.0) for s in r.values()) for n, r in results.items()}
         xrt_ratio = f"{xrt['engine'] / xrt['naive']:.2f}x" if xrt.get("naive") else "-"
         parts = ["## Goodput: engine (`orpheus` model) vs naive baseline (`orpheus_naive`)", "",
-                 f"Poisson arrivals (open loop, clients/loadgen), {st.duration:g} s of arrivals per rate, seed {st.seed}, "
+                 f"Poisson arrivals (open loop, clients/loadgen), {st.duration:g} s of arrivals per rate, "
+                 f"seed {st.seed}, "
                  f"served engines with first_chunk_s = {st.first_chunk_s:g} s, "
                  f"request i reads a prompt of perf/data/prompts.txt (seeded choice) with SEED {st.seed} + i, "
                  f"max_tokens {st.max_tokens}, official sampling defaults (temperature 0.6, top_p 0.8, "
                  "repetition_penalty 1.3). Engine and naive take turns at each rate (both servers up, one loaded at a "
                  "time), so each ratio compares runs minutes apart. A target's sweep stops after two consecutive "
                  "rates miss the TTFA target.", "",
-                 "### Goodput targets (docs/metrics.md)", "", gp.goodput_table(results, st.ttfa_p90, st.stall_free, "naive"), "",
+                 "### Goodput targets (docs/metrics.md)", "",
+                 gp.goodput_table(results, st.ttfa_p90, st.stall_free, "naive"), "",
                  "### TTFA target only (stall-free target 0%: no streaming-viability requirement)", "",
                  gp.goodput_table(results, st.ttfa_p90, 0.0, "naive"), "",
                  f"Highest x real time reached at any tested rate (throughput): engine {xrt['engine']:.2f}, "
@@ -558,7 +562,8 @@ class Suite:
                     rows[label] = summarize(pooled, wall_s=sum(x["wall_s"] or 0.0 for x in per_seed[label]))
                     rows[label]["stall_free_pct_after"] = {
                         b: summarize(pooled, startup_s=b)["stall_free_pct"] for b in st.player_buffers}
-                    self.log(f"  {label}: {json.dumps({k: rows[label][k] for k in ('count', 'ttfa_p90_s', 'stall_free_pct')})}")
+                    self.log(f"  {label}: "
+                             f"{json.dumps({k: rows[label][k] for k in ('count', 'ttfa_p90_s', 'stall_free_pct')})}")
             finally:
                 if srv is not self.engine_srv:
                     srv.stop()

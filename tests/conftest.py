@@ -56,7 +56,8 @@ def tiny_csm():
 
 # The slow tier: modules that start a tritonserver (directly, through the launcher, or through a perf script).
 # `bash scripts/test.sh --quick` runs everything else (`-m "not triton"`).
-_STARTS_TRITON = re.compile(r"TritonServer|start_serve|start_server|triton_util|\"serve\",|\"demo\"|run_cpu_suite|reliability|serving_ab")
+_STARTS_TRITON = re.compile(r"TritonServer|start_serve|start_server|triton_util|\"serve\",|\"demo\"|"
+                            r"run_cpu_suite|reliability|serving_ab")
 _starts_triton: dict[str, bool] = {}
 
 

@@ -95,7 +95,8 @@ def upstream_modules(cv, cfg):
     cfm = cv.flow_matching.CausalConditionalCFM(
         in_channels=240, n_spks=1, spk_emb_dim=80, estimator=estimator,
         cfm_params=DictConfig({"sigma_min": 1e-06, "solver": "euler", "t_scheduler": "cosine",
-                               "training_cfg_rate": 0.2, "inference_cfg_rate": cfg.flow.cfg_rate, "reg_loss_type": "l1"}))
+                               "training_cfg_rate": 0.2, "inference_cfg_rate": cfg.flow.cfg_rate,
+                               "reg_loss_type": "l1"}))
     flow = cv.flow.CausalMaskedDiffWithXvec(
         input_size=enc.size, output_size=cfg.flow.mel_bins, spk_embed_dim=cfg.flow.spk_embed_dim, output_type="mel",
         vocab_size=cfg.flow.vocab_size, input_frame_rate=25, only_mask_loss=True, token_mel_ratio=enc.upsample,

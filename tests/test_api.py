@@ -294,8 +294,8 @@ def test_websocket_text_pieces_become_sentences_in_order(service):
     messages, audio = ws_session(service, pieces, {"model": "orpheus", "voice": "leo", "seed": 21,
                                                     "max_tokens": MAX_TOKENS, "top_k": TOP_K})
     sentences = [m for m in messages if m["type"] == "sentence"]
-    assert [m["text"] for m in sentences] == ["Hello there, how are you?", "The quick brown fox jumps over the lazy dog.",
-                                               "See you tomorrow"]
+    assert [m["text"] for m in sentences] == ["Hello there, how are you?",
+                                              "The quick brown fox jumps over the lazy dog.", "See you tomorrow"]
     assert [m["index"] for m in sentences] == [0, 1, 2] and all(m["sample_rate"] == RATE for m in sentences)
     ends = [m for m in messages if m["type"] == "sentence_end"]
     assert [m["index"] for m in ends] == [0, 1, 2]
@@ -437,7 +437,8 @@ def test_page_plays_a_stream_in_headless_chromium(service, tmp_path):
     try:
         page.get(service["api"] + "/")
         until(lambda: page.execute_script("return document.getElementById('model').options.length") > 0, 30)
-        assert page.execute_script("return [...document.getElementById('voice').options].map(o => o.value)") == list(VOICES)
+        assert page.execute_script(
+            "return [...document.getElementById('voice').options].map(o => o.value)") == list(VOICES)
         max_tokens = page.find_element(By.ID, "max-tokens")
         max_tokens.clear()
         max_tokens.send_keys("210")

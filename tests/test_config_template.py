@@ -182,8 +182,10 @@ def test_a_text_stream_config_is_a_sequence_batched_decoupled_engine():
 
     m = dataclasses.replace(configs.SERVED_MODELS[0], text_streaming=True)
     text = configs.render_text_stream(m, m.params({"max_batch": "7"}))
-    assert f'name: "{m.text_stream}"' in text and "max_batch_size: 7\n" in text  # one slot per stream the engine batches
-    assert "model_transaction_policy { decoupled: true }" in text and "direct { max_queue_delay_microseconds: 0 }" in text
+    # one slot per stream the engine batches
+    assert f'name: "{m.text_stream}"' in text and "max_batch_size: 7\n" in text
+    assert ("model_transaction_policy { decoupled: true }" in text
+            and "direct { max_queue_delay_microseconds: 0 }" in text)
     assert f"max_sequence_idle_microseconds: {configs.TEXT_STREAM_IDLE_US}\n" in text
     for name, kind in [("START", "CONTROL_SEQUENCE_START"), ("END", "CONTROL_SEQUENCE_END"),
                        ("READY", "CONTROL_SEQUENCE_READY"), ("CORRID", "CONTROL_SEQUENCE_CORRID")]:

@@ -216,7 +216,8 @@ def test_as_complete_streams_cut_windows_as_for_the_complete_sequence(engine, up
     the complete sequence, flushes them in one final window; a stream that windows on arrival would not."""
     codec = engine.model.codec
     g = torch.Generator().manual_seed(5)
-    prompt, feat, emb = torch.randint(0, 6561, (7,), generator=g), torch.randn(14, 80, generator=g), torch.randn(192, generator=g)
+    prompt, feat, emb = (torch.randint(0, 6561, (7,), generator=g), torch.randn(14, 80, generator=g),
+                         torch.randn(192, generator=g))
     tokens = torch.randint(0, 6561, (43 + 33,), generator=g)
     with torch.random.fork_rng():
         torch.manual_seed(9)

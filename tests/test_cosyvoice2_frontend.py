@@ -71,7 +71,8 @@ def speechlike(seconds: float, rate: int, seed: int) -> np.ndarray:
     g = np.random.default_rng(seed)
     n = rate // 8
     t = np.arange(n) / rate
-    parts = [g.uniform(0.05, 0.4) * np.sin(2 * np.pi * g.uniform(80, 3000) * t) + g.uniform(0.0, 0.1) * g.standard_normal(n)
+    parts = [g.uniform(0.05, 0.4) * np.sin(2 * np.pi * g.uniform(80, 3000) * t)
+             + g.uniform(0.0, 0.1) * g.standard_normal(n)
              for _ in range(int(seconds * 8))]
     return np.concatenate(parts).astype(np.float32)
 
@@ -190,7 +191,8 @@ def test_clone_follows_the_upstream_recipe(frontend, reference_tokenizer, refere
     s3tokenizer, matcha = load_s3tokenizer(), load_matcha_audio()
     clip = speechlike(2.5, 22050, seed=7)
     prompt = frontend.clone(clip, 22050, "hello there")
-    audio_16k, audio_24k = torch.from_numpy(resample(clip, 22050, 16000)), torch.from_numpy(resample(clip, 22050, 24000))
+    audio_16k, audio_24k = (torch.from_numpy(resample(clip, 22050, 16000)),
+                            torch.from_numpy(resample(clip, 22050, 24000)))
     mel = s3tokenizer.log_mel_spectrogram(audio_16k, n_mels=128)
     tokens, n_tokens = reference_tokenizer.quantize(mel[None], torch.tensor([mel.size(-1)]))
     feat = matcha.mel_spectrogram(audio_24k[None], 1920, 80, 24000, 480, 1920, 0, 8000, False)[0].T

@@ -66,7 +66,8 @@ class FakeParam:
 
 
 class FakeResponse:
-    def __init__(self, final): self.parameters = {"triton_final_response": FakeParam(final)} if final is not None else {}
+    def __init__(self, final):
+        self.parameters = {"triton_final_response": FakeParam(final)} if final is not None else {}
 
 
 class FakeResult:

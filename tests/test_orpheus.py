@@ -83,10 +83,13 @@ def test_stream_equals_official_window_by_window_decode(engine, tiny_orpheus):
 
 def test_batched_requests_equal_each_alone(engine, tiny_orpheus):
     reqs = [
-        ("First sentence.", "tara", SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, max_tokens=50, seed=1)),
-        ("A second, longer sentence to synthesize.", "zac", SamplingParams(temperature=1.0, top_k=50, max_tokens=64, seed=2)),
+        ("First sentence.", "tara",
+         SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, max_tokens=50, seed=1)),
+        ("A second, longer sentence to synthesize.", "zac",
+         SamplingParams(temperature=1.0, top_k=50, max_tokens=64, seed=2)),
         ("Third.", "mia", SamplingParams(temperature=0.0, max_tokens=40, seed=4)),  # seed: codec noise
-        ("Fourth one here.", "leah", SamplingParams(temperature=0.9, min_p=0.05, repetition_penalty=1.1, max_tokens=57, seed=3)),
+        ("Fourth one here.", "leah",
+         SamplingParams(temperature=0.9, min_p=0.05, repetition_penalty=1.1, max_tokens=57, seed=3)),
     ]
     together = _run(engine, reqs)
     alone = voxbackend.load(*tiny_orpheus, max_batch=1, kv_pages=64)

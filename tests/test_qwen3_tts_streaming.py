@@ -235,7 +235,7 @@ def test_an_append_the_model_refuses_on_the_engine_thread_ends_that_request_only
     events = {"a": [], "b": []}
     a = engine.submit(model.prepare("The", "ryan", text_open=True), SamplingParams(**GREEDY, max_tokens=10),
                       events["a"].append, text_open=True)
-    b = engine.submit(model.prepare(TEXT, "vivian"), SamplingParams(**GREEDY, max_tokens=10), events["b"].append)
+    engine.submit(model.prepare(TEXT, "vivian"), SamplingParams(**GREEDY, max_tokens=10), events["b"].append)
     engine.step()
 
     def refuse(track, ids, final):

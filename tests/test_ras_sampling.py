@@ -52,7 +52,8 @@ def test_ras_equals_the_reference_procedure_and_takes_both_branches():
         logits = torch.randn(6, V, generator=g) * 3
         # recent ids built around each row's likely picks, so draws repeat often
         top = logits.topk(3).indices
-        recent = [top[i].tolist() * (i % 3) + [int(x) for x in torch.randint(0, V, (4,), generator=g)] for i in range(6)]
+        recent = [top[i].tolist() * (i % 3) + [int(x) for x in torch.randint(0, V, (4,), generator=g)]
+                  for i in range(6)]
         got = sample(logits, batch(params, [step] * 6, recent))
         for i in range(6):
             want = reference_ras(logits[i], recent[i], params[i], step)

@@ -70,7 +70,8 @@ def test_candidate_ids_map_back_to_vocab():
 def test_uniform_is_in_range_and_seed_dependent():
     u = uniform_from_seed(torch.arange(1000), torch.zeros(1000, dtype=torch.long))
     assert 0 <= u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.05
-    assert uniform_from_seed(torch.tensor([3]), torch.tensor([4])) != uniform_from_seed(torch.tensor([4]), torch.tensor([4]))
+    assert (uniform_from_seed(torch.tensor([3]), torch.tensor([4]))
+            != uniform_from_seed(torch.tensor([4]), torch.tensor([4])))
 
 
 @pytest.mark.parametrize(

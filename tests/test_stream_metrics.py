@@ -106,7 +106,8 @@ def test_goodput_is_highest_qualifying_rate():
 def test_markdown_table():
     md = markdown_table({2.0: summarize(summary_set()), 1.0: summarize([])})
     lines = md.splitlines()
-    assert len(lines) == 4 and lines[2].startswith("| 1 | 0 |") and lines[3].startswith("| 2 | 6 | 2 | 300 | 300 | 460 |")
+    assert (len(lines) == 4 and lines[2].startswith("| 1 | 0 |")
+            and lines[3].startswith("| 2 | 6 | 2 | 300 | 300 | 460 |"))
 
 
 

@@ -67,8 +67,8 @@ def test_tokenizer_ids(tiny_orpheus):
     assert len(tok) == 156940
     assert tok.bos_token_id == 128000 and tok.eos_token_id == 128009
     expect = {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128009: "<|eot_id|>",
-              128002: "<|reserved_special_token_0|>", 128255: "<|reserved_special_token_250|>", 128006: "<|start_header_id|>",
-              128256: "<custom_token_0>", 156939: "<custom_token_28683>"}
+              128002: "<|reserved_special_token_0|>", 128255: "<|reserved_special_token_250|>",
+              128006: "<|start_header_id|>", 128256: "<custom_token_0>", 156939: "<custom_token_28683>"}
     for i, s in expect.items():
         assert tok.convert_ids_to_tokens(i) == s and tok.convert_tokens_to_ids(s) == i
 

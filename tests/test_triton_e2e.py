@@ -1,7 +1,8 @@
 """End to end against a real tritonserver on loopback, serving the committed model_repository unchanged.
 
 The server is started the way Triton users start it (the committed configs, no checkpoint configured), so
-the engine model builds the tiny default checkpoint itself (into the test run's VOXBACKEND_CACHE, tests/conftest.py); the reference
+the engine model builds the tiny default checkpoint itself (into the test run's VOXBACKEND_CACHE, \
+tests/conftest.py); the reference
 engine in this process then loads that same checkpoint. One server for the whole module.
 """
 from __future__ import annotations
@@ -169,7 +170,8 @@ def test_bad_inputs_get_one_final_error_while_a_long_stream_finishes_intact(serv
     expected = reference(long_text, None, long_seed, long_tokens)
     long_out: list[StreamOutcome] = []
     t = threading.Thread(target=lambda: long_out.append(stream_request(
-        server.grpc_url, "orpheus", make_inputs(long_text, None, "fp32", MAX_TOKENS=long_tokens, SEED=long_seed, TOP_K=TOP_K),
+        server.grpc_url, "orpheus",
+        make_inputs(long_text, None, "fp32", MAX_TOKENS=long_tokens, SEED=long_seed, TOP_K=TOP_K),
         "fp32", timeout=240)))
     t.start()
     time.sleep(0.5)

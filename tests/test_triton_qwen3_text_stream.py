@@ -73,7 +73,8 @@ def test_bad_inputs_are_refused_naming_the_field(server):
                                    make_inputs(None, "nobody", batched=True, **GREEDY), timeout=60)
     assert bad_voice.error and bad_voice.error.startswith("InvalidRequest: VOICE"), bad_voice.error
     bad_language = stream_text_pieces(server.grpc_url, MODEL, ["Hello ", "there."],
-                                      [*make_inputs(None, batched=True, **GREEDY), batched_string("LANGUAGE", "klingon")], timeout=60)
+                                      [*make_inputs(None, batched=True, **GREEDY),
+                                       batched_string("LANGUAGE", "klingon")], timeout=60)
     assert bad_language.error and bad_language.error.startswith("InvalidRequest: LANGUAGE"), bad_language.error
 
 

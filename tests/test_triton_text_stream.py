@@ -128,7 +128,7 @@ def test_bad_pieces_are_refused_naming_the_field(server):
         send("a4", "after the end", 501)
         send("z0", "never started", 502)
         refused = errors(2)
-        assert all(f"must specify the START flag on the first request of the sequence" in e for e in refused)
+        assert all("must specify the START flag on the first request of the sequence" in e for e in refused)
         assert {re.search(r"sequence (\d+)", e).group(1) for e in refused} == {"501", "502"}
     finally:
         client.stop_stream(cancel_requests=False)

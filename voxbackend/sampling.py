@@ -172,7 +172,8 @@ def _repetition_aware(probs: torch.Tensor, column: torch.Tensor, to_ids, batch: 
     return torch.where(redraw, full, column)
 
 
-def mask_ids(logits: torch.Tensor, token_ids: torch.Tensor | None, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def mask_ids(logits: torch.Tensor, token_ids: torch.Tensor | None, ids: torch.Tensor,
+             rows: torch.Tensor) -> torch.Tensor:
     """Logits [B, C] with `ids` (model-space ids, e.g. the stop ids) made impossible in the rows where `rows`
     [B] bool is set; `token_ids` are the candidates' ids as in `sample` (None: the whole vocab)."""
     if token_ids is None:

@@ -78,7 +78,8 @@ class Block(nn.Module):
         super().__init__()
         self.attn = FSMNAttention(cfg)
         self.attn_ln = nn.LayerNorm(cfg.hidden)
-        self.mlp = nn.Sequential(nn.Linear(cfg.hidden, 4 * cfg.hidden), nn.GELU(), nn.Linear(4 * cfg.hidden, cfg.hidden))
+        self.mlp = nn.Sequential(nn.Linear(cfg.hidden, 4 * cfg.hidden), nn.GELU(),
+                                 nn.Linear(4 * cfg.hidden, cfg.hidden))
         self.mlp_ln = nn.LayerNorm(cfg.hidden)
 
     def forward(self, x, valid, cos, sin):

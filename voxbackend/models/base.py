@@ -241,7 +241,8 @@ class SpeechModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def candidate_logits(self, hidden: torch.Tensor, codes_so_far: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def candidate_logits(self, hidden: torch.Tensor,
+                         codes_so_far: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits over the tokens that may come next, and their ids ([B, C] each, ids ascending per row; None =
         the whole vocab). `codes_so_far` is each row's codec code count, on the host: no device read-back.
 

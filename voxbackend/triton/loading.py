@@ -95,7 +95,8 @@ def instance_settings(params: dict[str, str], instance_kind: str = "CPU", device
     options = {k: v for k, v in params.items() if k not in GLUE_PARAMS and v != ""}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise ValueError(f"unknown engine parameters {unknown} in config.pbtxt; known: {sorted(known | set(GLUE_PARAMS))}")
+        raise ValueError(f"unknown engine parameters {unknown} in config.pbtxt; "
+                         f"known: {sorted(known | set(GLUE_PARAMS))}")
     if "device" in options:
         options["device"] = resolve_device(options["device"], instance_kind, device_id)
     checkpoint, codec = resolve_checkpoint(params)

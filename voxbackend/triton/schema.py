@@ -41,7 +41,8 @@ _FORMAT_SPEC = TensorSpec("AUDIO_FORMAT", "STRING", optional=True, doc='"pcm16" 
 _TEXT_SPEC = TensorSpec("TEXT", "STRING", optional=True,
                         doc="UTF-8 text to speak; required (optional here so a missing TEXT gets our clear error)")
 
-# Set by the preprocess, so only streams of a caller that chains it to the engine by BLS get probes (see cancel_channel).
+# Set by the preprocess, so only streams of a caller that chains it to the engine by BLS get probes
+# (see cancel_channel).
 _PROBE_DOC = ("true: while the stream has nothing to send (e.g. queued), the engine sends a probe response now "
               "and then, so a BLS caller learns the stream's STREAM_ID (to pass a cancellation on); it drops "
               "every probe")

@@ -23,8 +23,8 @@ from voxbackend.triton.drain import DRAINING, grace_expired
 log = logging.getLogger("voxbackend.triton")
 PROBE = "probe"  # FINISH_REASON of a probe response: no audio, dropped by the BLS caller
 SHUTDOWN = "shutdown"  # FINISH_REASON of streams ended because the server is stopping
-# A stream of a BLS caller (CANCEL_PROBES) that fails gets a normal final response whose FINISH_REASON is this prefix and
-# the message, for the caller to send its client as an error. In 2.51 an error response of the engine after its
+# A stream of a BLS caller (CANCEL_PROBES) that fails gets a normal final response whose FINISH_REASON is this prefix
+# and the message, for the caller to send its client as an error. In 2.51 an error response of the engine after its
 # first one never reached the BLS call (seen here: an engine failure, the drain's grace period).
 ERROR_PREFIX = "error: "
 

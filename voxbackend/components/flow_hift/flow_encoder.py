@@ -154,7 +154,8 @@ class UpsampleConformerEncoder(nn.Module):
         self.cfg = cfg
         self.embed = LinearEmbed(cfg.size)
         self.pre_lookahead_layer = PreLookahead(cfg.size, cfg.pre_lookahead_len)
-        self.encoders = nn.ModuleList(ConformerLayer(cfg.size, cfg.heads, cfg.linear_units) for _ in range(cfg.num_blocks))
+        self.encoders = nn.ModuleList(ConformerLayer(cfg.size, cfg.heads, cfg.linear_units)
+                                      for _ in range(cfg.num_blocks))
         self.up_layer = Upsample(cfg.size, cfg.upsample)
         self.up_embed = LinearEmbed(cfg.size)
         self.up_encoders = nn.ModuleList(

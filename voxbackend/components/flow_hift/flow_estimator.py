@@ -80,7 +80,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = (proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2) for proj in (self.to_q, self.to_k, self.to_v))
+        q, k, v = (proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+                   for proj in (self.to_q, self.to_k, self.to_v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None])
         return self.to_out[0](out.transpose(1, 2).reshape(b, t, -1))
 
@@ -100,7 +101,8 @@ class TransformerBlock(nn.Module):
         self.norm1 = nn.LayerNorm(dim)
         self.attn1 = Attention(dim, heads, head_dim)
         self.norm3 = nn.LayerNorm(dim)
-        self.ff = nn.ModuleDict({"net": nn.ModuleList([GeluProj(dim, 4 * dim), nn.Identity(), nn.Linear(4 * dim, dim)])})
+        self.ff = nn.ModuleDict(
+            {"net": nn.ModuleList([GeluProj(dim, 4 * dim), nn.Identity(), nn.Linear(4 * dim, dim)])})
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         x = x + self.attn1(self.norm1(x), bias)
@@ -134,7 +136,8 @@ class CausalConditionalDecoder(nn.Module):
         self.time_mlp = TimeMLP(cfg.in_channels, time_dim)
 
         def transformers(dim: int) -> nn.ModuleList:
-            return nn.ModuleList(TransformerBlock(dim, cfg.num_heads, cfg.attention_head_dim) for _ in range(cfg.n_blocks))
+            return nn.ModuleList(TransformerBlock(dim, cfg.num_heads, cfg.attention_head_dim)
+                                 for _ in range(cfg.n_blocks))
 
         self.down_blocks = nn.ModuleList()
         cout = cfg.in_channels
@@ -152,11 +155,13 @@ class CausalConditionalDecoder(nn.Module):
             cout = ups[i + 1]
             last = i == len(ups) - 2
             up = CausalConv1d(cout, cout, 3) if last else nn.ConvTranspose1d(cout, cout, 4, 2, 1)
-            self.up_blocks.append(nn.ModuleList([CausalResnetBlock(ups[i] * 2, cout, time_dim), transformers(cout), up]))
+            self.up_blocks.append(
+                nn.ModuleList([CausalResnetBlock(ups[i] * 2, cout, time_dim), transformers(cout), up]))
         self.final_block = CausalBlock(ups[-1], ups[-1])
         self.final_proj = nn.Conv1d(ups[-1], cfg.out_channels, 1)
 
-    def _attend(self, blocks: nn.ModuleList, x: torch.Tensor, mask: torch.Tensor, streaming: torch.Tensor) -> torch.Tensor:
+    def _attend(self, blocks: nn.ModuleList, x: torch.Tensor, mask: torch.Tensor,
+                streaming: torch.Tensor) -> torch.Tensor:
         allowed = chunk_attention_mask(mask[:, 0].sum(-1).long(), x.size(-1), self.cfg.chunk_size, streaming)
         bias = (1.0 - allowed.to(x.dtype)) * -1.0e10
         h = x.transpose(1, 2)

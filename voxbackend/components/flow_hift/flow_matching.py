@@ -68,7 +68,8 @@ class FlowMatching(nn.Module):
         self.encoder_proj = nn.Linear(size, cfg.mel_bins)
         self.decoder = Estimator(cfg.estimator)
         generator = torch.Generator().manual_seed(cfg.noise_seed)
-        self.register_buffer("noise", torch.randn(1, cfg.mel_bins, cfg.max_frames, generator=generator), persistent=False)
+        self.register_buffer("noise", torch.randn(1, cfg.mel_bins, cfg.max_frames, generator=generator),
+                             persistent=False)
 
     @torch.inference_mode()
     def forward(self, rows: list[FlowRow]) -> list[torch.Tensor]:
@@ -95,11 +96,13 @@ class FlowMatching(nn.Module):
         mu = self.encoder_proj(h).transpose(1, 2).contiguous()          # (B, mel, T)
         t_max = mu.size(-1)
         mask = (torch.arange(t_max, device=device)[None] < frames[:, None]).to(dtype).unsqueeze(1)
-        spks = self.spk_embed_affine_layer(F.normalize(torch.stack([r.embedding for r in rows]).to(device, dtype), dim=1))
+        spks = self.spk_embed_affine_layer(
+            F.normalize(torch.stack([r.embedding for r in rows]).to(device, dtype), dim=1))
         cond = torch.zeros_like(mu)
         for i, r in enumerate(rows):
             cond[i, :, :r.prompt_feat.size(0)] = r.prompt_feat.to(device, dtype).T
-        mel = self._solve(self.noise[:, :, :t_max].expand(n_rows, -1, -1).to(dtype) * mask, mu, mask, spks, cond, streaming)
+        mel = self._solve(self.noise[:, :, :t_max].expand(n_rows, -1, -1).to(dtype) * mask,
+                          mu, mask, spks, cond, streaming)
         return [mel[i, :, r.prompt_feat.size(0):int(frames[i])].float() for i, r in enumerate(rows)]
 
     def _solve(self, x, mu, mask, spks, cond, streaming) -> torch.Tensor:
@@ -110,7 +113,8 @@ class FlowMatching(nn.Module):
         t, dt = t_span[0], t_span[1] - t_span[0]
         zeros = torch.zeros_like
         mask2, mu2 = torch.cat([mask, mask]), torch.cat([mu, zeros(mu)])
-        spks2, cond2, streaming2 = torch.cat([spks, zeros(spks)]), torch.cat([cond, zeros(cond)]), torch.cat([streaming, streaming])
+        spks2, cond2, streaming2 = (torch.cat([spks, zeros(spks)]), torch.cat([cond, zeros(cond)]),
+                                    torch.cat([streaming, streaming]))
         b = x.size(0)
         for step in range(1, len(t_span)):
             v = self.decoder.estimator(torch.cat([x, x]), mask2, mu2, t.expand(2 * b), spks2, cond2, streaming2)

@@ -60,7 +60,8 @@ def fold_weight_norm(state: dict[str, torch.Tensor], cfg: HiFTConfig) -> dict[st
     state = {k.removeprefix("generator."): v for k, v in state.items()}
     for name in weight_norm_names(cfg):
         for g_key, v_key in ((f"{name}.weight_g", f"{name}.weight_v"),
-                             (f"{name}.parametrizations.weight.original0", f"{name}.parametrizations.weight.original1")):
+                             (f"{name}.parametrizations.weight.original0",
+                              f"{name}.parametrizations.weight.original1")):
             if g_key in state:
                 g, v = state.pop(g_key), state.pop(v_key)
                 state[f"{name}.weight"] = torch._weight_norm(v, g, 0)
@@ -158,7 +159,8 @@ class HiFTGenerator(nn.Module):
         down_rates = np.cumprod([1] + list(cfg.upsample_rates[::-1][:-1]))[::-1]
         self.source_downs = nn.ModuleList()
         self.source_resblocks = nn.ModuleList()
-        for i, (u, k, d) in enumerate(zip(down_rates, cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilation_sizes)):
+        for i, (u, k, d) in enumerate(zip(down_rates, cfg.source_resblock_kernel_sizes,
+                                          cfg.source_resblock_dilation_sizes)):
             ch, u = base // 2 ** (i + 1), int(u)
             self.source_downs.append(nn.Conv1d(cfg.n_fft + 2, ch, 1, 1) if u == 1 else
                                      nn.Conv1d(cfg.n_fft + 2, ch, u * 2, u, padding=u // 2))

@@ -203,7 +203,8 @@ class Token2Wav:
                 continue        # a request that produced no tokens has no audio
             tokens = torch.cat([s.prompt_tokens, torch.tensor(s.tokens[:end], dtype=torch.long)])
             flow_of[i] = len(rows)
-            rows.append(FlowRow(tokens, s.prompt_feat, s.embedding, finalize=kind == "final", streaming=kind == "window"))
+            rows.append(FlowRow(tokens, s.prompt_feat, s.embedding, finalize=kind == "final",
+                                streaming=kind == "window"))
         mels = self.flow(rows) if rows else []
         new_mel = [mels[flow_of[i]][:, s.token_offset * ratio:].cpu() if i in flow_of else None
                    for i, s in enumerate(streams)]
@@ -241,10 +242,12 @@ class Token2Wav:
             speech, source = self.hift(mel, [streams[i].generator for i in members],
                                        [c.source if c is not None else None for c in caches])
             for row, i in enumerate(members):
-                out[i] = self._emit(streams[i], kinds[i], mel_in[i], speech[row].float().cpu(), source[row].float().cpu())
+                out[i] = self._emit(streams[i], kinds[i], mel_in[i], speech[row].float().cpu(),
+                                    source[row].float().cpu())
         return out
 
-    def _emit(self, s: DecodeStream, kind: str, mel: torch.Tensor, speech: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    def _emit(self, s: DecodeStream, kind: str, mel: torch.Tensor, speech: torch.Tensor,
+              source: torch.Tensor) -> torch.Tensor:
         overlap = self.cfg.stream.mel_cache_frames * self.cfg.hift.samples_per_frame
         if s.hift_cache is not None:
             n = overlap
@@ -264,7 +267,8 @@ class Token2Wav:
         return self.decode([stream])[0]
 
 
-def load_token2wav(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Token2Wav:
+def load_token2wav(folder: str | Path, device: str | torch.device = "cpu",
+                   dtype: torch.dtype = torch.float32) -> Token2Wav:
     """Loads `flow.pt` + `hift.pt` (the official CosyVoice2 state dicts) or `flow.safetensors` + `hift.safetensors`
     (the same names), with an optional `token2wav.json` overriding Token2WavConfig's defaults (CosyVoice2-0.5B's)."""
     folder = Path(folder)

@@ -330,7 +330,8 @@ class MimiDecoder(nn.Module):
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         w = flat_names(weights)
-        own: dict[str, torch.Tensor] = {"codebooks": torch.cat(codebook_tables(w, self.num_semantic, self.num_codebooks))}
+        own: dict[str, torch.Tensor] = {
+            "codebooks": torch.cat(codebook_tables(w, self.num_semantic, self.num_codebooks))}
         for part in ("semantic", "acoustic"):
             if isinstance(getattr(self, f"{part}_proj"), nn.Linear):
                 own[f"{part}_proj.weight"] = w[f"quantizer.{part}_residual_vector_quantizer.output_proj.weight"][..., 0]

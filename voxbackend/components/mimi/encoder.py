@@ -155,7 +155,8 @@ class MimiEncoder(nn.Module):
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         w = flat_names(weights)
-        own: dict[str, torch.Tensor] = {"codebooks": torch.stack(codebook_tables(w, self.num_semantic, self.num_codebooks))}
+        own: dict[str, torch.Tensor] = {
+            "codebooks": torch.stack(codebook_tables(w, self.num_semantic, self.num_codebooks))}
         for part in ("semantic", "acoustic"):
             if getattr(self, f"{part}_proj") is not None:
                 own[f"{part}_proj"] = w[f"quantizer.{part}_residual_vector_quantizer.input_proj.weight"]

@@ -32,7 +32,8 @@ TINY_CONFIG = {
 
 def tiny_state_dicts(seed: int = 0, vocab_size: int | None = None) -> tuple[Token2WavConfig, dict, dict]:
     """`vocab_size`: the flow's token table (None: TINY_CONFIG's; a whole tiny CosyVoice2 needs the real 6561)."""
-    config = TINY_CONFIG if vocab_size is None else {**TINY_CONFIG, "flow": {**TINY_CONFIG["flow"], "vocab_size": vocab_size}}
+    config = (TINY_CONFIG if vocab_size is None
+              else {**TINY_CONFIG, "flow": {**TINY_CONFIG["flow"], "vocab_size": vocab_size}})
     cfg = Token2WavConfig.from_dict(config)
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -43,7 +43,8 @@ MAX_FRAMES = 1125  # 90 s, the official generator's default limit
 
 
 def is_csm_config(hf_config: dict) -> bool:
-    return "CsmForConditionalGeneration" in (hf_config.get("architectures") or ()) or hf_config.get("model_type") == "csm"
+    return ("CsmForConditionalGeneration" in (hf_config.get("architectures") or ())
+            or hf_config.get("model_type") == "csm")
 
 
 @dataclass

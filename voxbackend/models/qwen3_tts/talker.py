@@ -74,8 +74,10 @@ class Qwen3TTSTalker:
         self.code_embedding = torch.cat(tables)
         self.code_offsets = torch.arange(self.num_code_groups - 1, device=device) * self.code_size
         self.text_embedding = take("talker.model.text_embedding.weight")
-        self.text_fc1 = (take("talker.text_projection.linear_fc1.weight"), take("talker.text_projection.linear_fc1.bias"))
-        self.text_fc2 = (take("talker.text_projection.linear_fc2.weight"), take("talker.text_projection.linear_fc2.bias"))
+        self.text_fc1 = (take("talker.text_projection.linear_fc1.weight"),
+                         take("talker.text_projection.linear_fc1.bias"))
+        self.text_fc2 = (take("talker.text_projection.linear_fc2.weight"),
+                         take("talker.text_projection.linear_fc2.bias"))
         self.predictor = build_decoder(DecoderConfig.from_hf(predictor, family="qwen3"), w, device, dtype,
                                        prefix="talker.code_predictor.model.", embed=False, head=False)
         self.predictor_heads = torch.stack([take(f"talker.code_predictor.lm_head.{j}.weight")
