@@ -60,7 +60,7 @@ can play without stalls and every goodput is zero by definition. "tiny" (hidden 
 largest preset at which the engine plays a stream faster than real time; the sizing table below says how
 many concurrent streams it keeps above 1x on this run. Its decode step is dominated by fixed per-step costs
 (Python, op dispatch, sampling over 4097 candidates, the SNAC decoder), not by the matrix sizes, so the
-engine-vs-naive ratio here understates what batching gives on a GPU with a 3B model (where a step is \
+engine-vs-naive ratio here understates what batching gives on a GPU with a 3B model (where a step is
 memory-bound and batching pays far more).
 The overhead step therefore also measures "bench", where the model's matrices do dominate."""
 DEFINITIONS = """\

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's test command: sets up the environment, then runs the whole suite (CPU only, about 8 minutes on
+# The project's test command: sets up the environment, lints, then runs the whole suite (CPU only, about 8 minutes on
 # 2 cores; `--quick`: the tests that start no tritonserver) and lists its slowest tests, so the time stays visible.
 # Two pytest workers (VOXBACKEND_TEST_WORKERS), each taking whole test files (module fixtures such as one
 # tritonserver per file stay in one worker): run one by one, the suite kept about one core busy.
@@ -11,4 +11,5 @@ if [[ "${1:-}" == "--quick" ]]; then  # the quick tier: every test that starts n
     shift
     TIER=(-m "not triton")
 fi
+"$VENV/bin/ruff" check --quiet  # lint first (pyproject.toml [tool.ruff]): a finding fails the run in seconds
 exec "$VENV/bin/python" -m pytest -q -n "${VOXBACKEND_TEST_WORKERS:-2}" --dist loadfile --durations=20 "${TIER[@]}" "$@"

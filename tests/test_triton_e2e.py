@@ -1,7 +1,7 @@
 """End to end against a real tritonserver on loopback, serving the committed model_repository unchanged.
 
 The server is started the way Triton users start it (the committed configs, no checkpoint configured), so
-the engine model builds the tiny default checkpoint itself (into the test run's VOXBACKEND_CACHE, \
+the engine model builds the tiny default checkpoint itself (into the test run's VOXBACKEND_CACHE,
 tests/conftest.py); the reference
 engine in this process then loads that same checkpoint. One server for the whole module.
 """

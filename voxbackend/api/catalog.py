@@ -3,7 +3,7 @@
 A speech model, for this API, is a ready front model (voxbackend.triton.front_model) that takes TEXT and
 returns AUDIO; its `engine_model` parameter names the model whose engine serves it (the front model itself; its
 Prometheus gauges carry that model name),
-its `preprocess_model` the preprocess, whose config parameters say where the model's front end lives. Voices live in \
+its `preprocess_model` the preprocess, whose config parameters say where the model's front end lives. Voices live in
 the front end (the model class decides
 them), so they are asked of it in one short-lived child interpreter (frontend_info): this process never loads
 a tokenizer, torch or weights.

@@ -293,8 +293,8 @@ class TritonServer:
             self._note(f"removed {len(left)} shared-memory region(s) that killed stubs left in {SHM_DIR}")
 
     def _wait_streams_closed(self, timeout: float = 5.0, settle_s: float = 0.3) -> float | None:
-        """Until every engine (the front models' included) reports no open stream, and a moment more. Returns the \
-seconds it took, None if streams were still open at the timeout."""
+        """Until every engine (the front models' included) reports no open stream, and a moment more. Returns the
+        seconds it took, None if streams were still open at the timeout."""
         t0 = time.monotonic()
         took = None
         while time.monotonic() - t0 < timeout and self.proc.poll() is None:

@@ -3,7 +3,7 @@
 A plain tritonserver that gets SIGTERM (or SIGINT) tells its models nothing until it finalizes them, which for a
 decoupled Python model comes after its last stream ended. Early on, though, it closes its HTTP endpoint (just
 after readiness starts failing) and refuses new requests at each model's scheduler; running streams and started
-text sequences go on. DrainWatch connects to the server's HTTP port (read from the server's command line: the \
+text sequences go on. DrainWatch connects to the server's HTTP port (read from the server's command line: the
 stub's parent) every
 poll_s, and again whenever the model calls check() (as each request arrives), and calls on_drain once, when the
 port that accepted connections refuses them, so the engine model refuses new streams and bounds how long its

@@ -18,7 +18,7 @@ whose track takes the rest of the text through `Engine.append_text`.
 
 Checkpoint: the official folder (see docs/cosyvoice2.md): llm.pt (or llm.safetensors) with upstream names,
 CosyVoice-BlankEN/config.json + tokenizer.json for the Qwen2 backbone and its tokenizer, flow.pt + hift.pt for
-the detokenizer (voxbackend.components.flow_hift.token2wav), speech_tokenizer_v2 + campplus as safetensors for \
+the detokenizer (voxbackend.components.flow_hift.token2wav), speech_tokenizer_v2 + campplus as safetensors for
 cloning, and
 voices/<name>.safetensors for named voices.
 """

@@ -4,7 +4,7 @@
 
 writes DIR/llm.pt (the upstream Qwen2LM state dict: llm_embedding, llm.model.* of a tiny Qwen2ForCausalLM,
 llm_decoder, speech_embedding), DIR/CosyVoice-BlankEN/{config.json,tokenizer.json}, the detokenizer
-(flow.pt, hift.pt, token2wav.json; voxbackend.models.cosyvoice2.tiny_codec with the real 6561-token vocabulary), \
+(flow.pt, hift.pt, token2wav.json; voxbackend.models.cosyvoice2.tiny_codec with the real 6561-token vocabulary),
 the cloning
 front end (speech_tokenizer_v2.safetensors, campplus.safetensors, frontend.json) and one named voice,
 DIR/voices/<DEFAULT_VOICE>.safetensors, cloned by that front end from a synthetic clip.

@@ -12,7 +12,7 @@ One codec frame (12.5 Hz) of 16 codes becomes 1920 samples at 24 kHz:
 
 Every stage is causal, so streaming is exact (not the reference's 300-frame chunks with 25 frames of context,
 which differ from a whole-clip decode). A stream's `Qwen3TTSCodecState` is one flat tensor laid out as in
-`voxbackend.components.mimi.decoder`: each causal conv's last (effective kernel - 1) inputs, each transposed conv's \
+`voxbackend.components.mimi.decoder`: each causal conv's last (effective kernel - 1) inputs, each transposed conv's
 overlap
 tail, and each layer's rotated keys and values of the last 71 frames; plus the frame count (RoPE positions).
 
