@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The project's test command: sets up the environment, lints, then runs the whole suite (CPU only, about 8 minutes on
-# 2 cores; `--quick`: the tests that start no tritonserver) and lists its slowest tests, so the time stays visible.
+# 2 cores; `--quick`: the tests that start no tritonserver; `--unit`: those that use no reference package either)
+# and lists its slowest tests, so the time stays visible.
 # Two pytest workers (VOXBACKEND_TEST_WORKERS), each taking whole test files (module fixtures such as one
 # tritonserver per file stay in one worker): run one by one, the suite kept about one core busy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="$(bash scripts/setup_env.sh | tail -n 1)"
 TIER=()
-if [[ "${1:-}" == "--quick" ]]; then  # the quick tier: every test that starts no tritonserver (tests/conftest.py)
-    shift
-    TIER=(-m "not triton")
-fi
+case "${1:-}" in  # the tiers are markers that tests/conftest.py sets per module
+    --quick) shift; TIER=(-m "not triton") ;;  # unit + parity: every test that starts no tritonserver
+    --unit) shift; TIER=(-m "unit") ;;          # neither a tritonserver nor a reference package
+esac
 "$VENV/bin/ruff" check --quiet  # lint first (pyproject.toml [tool.ruff]): a finding fails the run in seconds
 exec "$VENV/bin/python" -m pytest -q -n "${VOXBACKEND_TEST_WORKERS:-2}" --dist loadfile --durations=20 "${TIER[@]}" "$@"

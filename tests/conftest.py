@@ -54,17 +54,24 @@ def tiny_csm():
     return ensure_default_csm()[0]
 
 
-# The slow tier: modules that start a tritonserver (directly, through the launcher, or through a perf script).
-# `bash scripts/test.sh --quick` runs everything else (`-m "not triton"`).
+# Three tiers, by module: `triton` starts a tritonserver (directly, through the launcher, or through a perf script);
+# `parity` compares with a reference package (transformers, snac, moshi, qwen_tts, the CosyVoice oracles...);
+# `unit` is the rest. `scripts/test.sh --quick` runs unit + parity, `--unit` only unit.
 _STARTS_TRITON = re.compile(r"TritonServer|start_serve|start_server|triton_util|\"serve\",|\"demo\"|"
                             r"run_cpu_suite|reliability|serving_ab")
-_starts_triton: dict[str, bool] = {}
+_USES_REFERENCE = re.compile(r"^\s*(import|from) (transformers|snac|moshi|qwen_tts|cosyvoice|flashcosyvoice|"
+                             r"s3tokenizer|kaldi_native_fbank|diffusers|tests\.\w*oracle)\b|oracle", re.M)
+_tiers: dict[str, str] = {}
+
+
+def _tier(path) -> str:
+    source = path.read_text(encoding="utf-8")
+    return "triton" if _STARTS_TRITON.search(source) else "parity" if _USES_REFERENCE.search(source) else "unit"
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = str(item.path)
-        if path not in _starts_triton:
-            _starts_triton[path] = bool(_STARTS_TRITON.search(item.path.read_text(encoding="utf-8")))
-        if _starts_triton[path]:
-            item.add_marker(pytest.mark.triton)
+        if path not in _tiers:
+            _tiers[path] = _tier(item.path)
+        item.add_marker(getattr(pytest.mark, _tiers[path]))

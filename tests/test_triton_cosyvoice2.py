@@ -100,10 +100,6 @@ def reference(server):
     engine.shutdown()
 
 
-
-
-
-
 def assert_nonempty_match(out, expected: np.ndarray, fmt: str, what: str) -> None:
     assert expected.size > 0, f"{what}: the reference made no audio"
     # the flow's batched matmuls round differently with the batch's make-up (measured up to 1.7e-4 on 2 of

@@ -112,10 +112,6 @@ def reference(server):
     engine.shutdown()
 
 
-
-
-
-
 # ---------------------------------------------------------------- streams match the engine
 
 

@@ -76,14 +76,6 @@ def reference(server):
     engine.shutdown()
 
 
-
-
-
-
-
-
-
-
 def wait_for(predicate, timeout: float = 15.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -85,10 +85,6 @@ def reference(server):
     engine.shutdown()
 
 
-
-
-
-
 def assert_first_frame_match(out, expected: np.ndarray, fmt: str, what: str) -> None:
     assert expected.size > 0, f"{what}: the reference made no audio"
     assert_matches(out, expected, fmt, what, RATE)
