@@ -69,9 +69,15 @@ def _tier(path) -> str:
     return "triton" if _STARTS_TRITON.search(source) else "parity" if _USES_REFERENCE.search(source) else "unit"
 
 
+_RUN_ORDER = {"triton": 0, "parity": 1, "unit": 2}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = str(item.path)
         if path not in _tiers:
             _tiers[path] = _tier(item.path)
         item.add_marker(getattr(pytest.mark, _tiers[path]))
+    # The slow modules first (a stable sort: each module stays whole and in order): the xdist workers take whole
+    # files in this order, so the short ones fill in at the end instead of one server module running alone.
+    items.sort(key=lambda item: _RUN_ORDER[_tiers[str(item.path)]])

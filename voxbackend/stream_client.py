@@ -128,6 +128,23 @@ class StreamOutcome:
     seed: int | None = None  # SEED_USED: the seed the server sampled with (send it as SEED to reproduce the audio)
     piece_errors: list[str] = field(default_factory=list)  # text streaming: later pieces the server refused
 
+    def take(self, result, t: float, audio_format: str) -> bool:
+        """Record one response that arrived at t: its audio, seed and, on the stream's last response (FINAL),
+        why it ended. Returns whether it was Triton's final response (nothing comes after it)."""
+        audio = response_audio(result, audio_format)
+        self.sample_rate = int(response_scalar(result, "SAMPLE_RATE", self.sample_rate) or 0)
+        self.seed = response_scalar(result, "SEED_USED", self.seed)
+        if audio.size:
+            self.chunks.append(audio)
+            self.arrivals.append(t)
+            self.indices.append(int(response_scalar(result, "CHUNK_INDEX", len(self.indices))))
+        if response_scalar(result, "FINAL", False):  # the stream's last response: FINISH_REASON says why
+            self.finish_reason, self.end_time = response_scalar(result, "FINISH_REASON", "") or None, t
+        if is_triton_final(result):
+            self.end_time = self.end_time or t
+            return True
+        return False
+
     def put_in_order(self) -> None:
         """Sort chunks by CHUNK_INDEX (a server should keep order; this makes the client robust if not).
 
@@ -226,17 +243,7 @@ def stream_request(url: str, model: str, inputs: list, audio_format: str = "pcm1
             if error is not None:
                 out.error, out.end_time = str(error), t
                 break
-            audio = response_audio(result, audio_format)
-            out.sample_rate = int(response_scalar(result, "SAMPLE_RATE", out.sample_rate) or 0)
-            out.seed = response_scalar(result, "SEED_USED", out.seed)
-            if audio.size:
-                out.chunks.append(audio)
-                out.arrivals.append(t)
-                out.indices.append(int(response_scalar(result, "CHUNK_INDEX", len(out.indices))))
-            if response_scalar(result, "FINAL", False):  # the stream's last response: FINISH_REASON says why
-                out.finish_reason, out.end_time = response_scalar(result, "FINISH_REASON", "") or None, t
-            if is_triton_final(result):
-                out.end_time = out.end_time or t
+            if out.take(result, t, audio_format):
                 break  # Triton sends nothing after this one
             if cancel_after_chunks is not None and len(out.chunks) >= cancel_after_chunks:
                 cancelled = True
@@ -325,17 +332,7 @@ def stream_text_pieces(url: str, model: str, pieces: Iterable[str], inputs: Iter
             if result.get_response().id != request_id:
                 continue  # a later piece's empty final response
             out.responses += 1
-            audio = response_audio(result, audio_format)
-            out.sample_rate = int(response_scalar(result, "SAMPLE_RATE", out.sample_rate) or 0)
-            out.seed = response_scalar(result, "SEED_USED", out.seed)
-            if audio.size:
-                out.chunks.append(audio)
-                out.arrivals.append(t)
-                out.indices.append(int(response_scalar(result, "CHUNK_INDEX", len(out.indices))))
-            if response_scalar(result, "FINAL", False):
-                out.finish_reason, out.end_time = response_scalar(result, "FINISH_REASON", "") or None, t
-            if is_triton_final(result):
-                out.end_time = out.end_time or t
+            if out.take(result, t, audio_format):
                 break
     finally:
         try:
