@@ -69,15 +69,38 @@ def _tier(path) -> str:
     return "triton" if _STARTS_TRITON.search(source) else "parity" if _USES_REFERENCE.search(source) else "unit"
 
 
-_RUN_ORDER = {"triton": 0, "parity": 1, "unit": 2}
+# One tritonserver for the committed model_repository (what users copy, no checkpoint configured: the engine models
+# build the run's cached tiny defaults), shared by the modules that only need it running: they carry the xdist
+# group COMMITTED, so one worker runs them all, in order, and the test that stops the server with SIGTERM
+# (marked stops_committed_server) runs last. Every other module is a group of its own: a file stays on one worker.
 
 
+@pytest.fixture(scope="session")
+def committed_server(tmp_path_factory):
+    from tests.triton_util import serve
+    from voxbackend.deploy import configs
+
+    yield from serve(configs.DEFAULT_REPOSITORY, tmp_path_factory.mktemp("committed_server"), stop_within_s=30)
+
+
+from tests.triton_util import COMMITTED  # noqa: E402
+
+
+def _run_order(item) -> tuple[int, int]:
+    """The committed group first (the longest unit of work), then the other server modules, parity, unit; the
+    xdist workers take units in this order, so short modules fill in at the end."""
+    shared = any(m.args == (COMMITTED,) for m in item.iter_markers("xdist_group"))
+    tier = {"triton": 1, "parity": 2, "unit": 3}[_tiers[str(item.path)]]
+    return 0 if shared else tier, int(item.get_closest_marker("stops_committed_server") is not None)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = str(item.path)
         if path not in _tiers:
             _tiers[path] = _tier(item.path)
         item.add_marker(getattr(pytest.mark, _tiers[path]))
-    # The slow modules first (a stable sort: each module stays whole and in order): the xdist workers take whole
-    # files in this order, so the short ones fill in at the end instead of one server module running alone.
-    items.sort(key=lambda item: _RUN_ORDER[_tiers[str(item.path)]])
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    items.sort(key=_run_order)  # stable: each module stays whole and in its order

@@ -1,5 +1,6 @@
-"""The cosyvoice2 deployment end to end: a real tritonserver on loopback serving the generated cosyvoice2_preprocess,
-cosyvoice2_engine and cosyvoice2 folders unchanged (copied into a repository of their own).
+"""The cosyvoice2 deployment end to end: the committed cosyvoice2_preprocess, cosyvoice2_engine and cosyvoice2
+folders unchanged, on the run's shared committed-repository server (tests/conftest.py; SIGTERM with cosyvoice2
+streams open: tests/test_triton_committed_drain.py).
 
 No checkpoint is configured, so the engine model builds the tiny default CosyVoice2 itself (in the test run's
 VOXBACKEND_CACHE); the reference engine in this process loads that same checkpoint. The voice's prompt tokens,
@@ -23,10 +24,8 @@ import tritonclient.grpc as tritonclient  # noqa: E402
 
 from voxbackend.stream_client import make_inputs, stream_request  # noqa: E402
 from voxbackend.models.cosyvoice2.tiny import DEFAULT_VOICE, voice_clip  # noqa: E402
-from tests.triton_util import (assert_matches, committed_models, run_concurrently, serve,  # noqa: E402
-                               drain_streams)
+from tests.triton_util import COMMITTED, assert_matches, run_concurrently  # noqa: E402
 
-FOLDERS = ("cosyvoice2", "cosyvoice2_engine", "cosyvoice2_preprocess")
 MAX_TOKENS = 40  # 1.6 s of audio, two windows: keeps 2-core runs quick
 RATE = 24000
 
@@ -73,15 +72,16 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    repo = committed_models(FOLDERS, tmp_path_factory.mktemp("repo"))
-    yield from serve(repo, tmp_path_factory.mktemp("triton"))
+pytestmark = pytest.mark.xdist_group(COMMITTED)
 
 
 @pytest.fixture(scope="module")
-def reference(server):
-    """Engine.synthesize in this process, on the checkpoint the server built."""
+def server(committed_server):
+    return committed_server
+
+
+def reference_engine():
+    """Engine.synthesize in this process, on the checkpoint the server built: (engine, synthesize)."""
     import voxbackend
     from voxbackend.models.cosyvoice2.tiny import ensure_default_cosyvoice2
 
@@ -96,6 +96,12 @@ def reference(server):
         assert rate == RATE
         return audio
 
+    return engine, synthesize
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    engine, synthesize = reference_engine()
     yield synthesize
     engine.shutdown()
 
@@ -156,16 +162,3 @@ def test_bad_inputs_are_refused_naming_the_tensor(server):
             if not (out.error and message in out.error and out.responses == 1 and not out.chunks):
                 failures.append(f"{model} / {name}: error={out.error!r} responses={out.responses}")
     assert not failures, "\n".join(failures)
-
-
-# ---------------------------------------------------------------- last: SIGTERM stops the module's server
-
-
-def test_sigterm_lets_open_streams_finish_with_their_whole_audio_and_exit_0(server, reference):
-    """docker stop / Kubernetes: the streams through `cosyvoice2` and `cosyvoice2_engine` (cloning included)
-    finish as they would have, exit 0."""
-    cases = [dataclasses.replace(c, max_tokens=150) for c in CASES[:3]]  # 6 s of audio each
-    models = ["cosyvoice2", "cosyvoice2_engine", "cosyvoice2"]
-    outs = drain_streams(server, [(m, c.inputs(), c.fmt) for c, m in zip(cases, models)])
-    for i, (case, out) in enumerate(zip(cases, outs)):
-        assert_nonempty_match(out, reference(case), case.fmt, f"drained cosyvoice2 stream {i} ({models[i]})")

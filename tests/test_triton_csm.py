@@ -1,8 +1,9 @@
-"""The csm deployment end to end: a real tritonserver on loopback serving the committed csm_preprocess, csm_engine,
-csm folders unchanged (copied into a repository of their own, so Orpheus is not loaded).
+"""The csm deployment end to end: the committed csm_preprocess, csm_engine and csm folders unchanged, on the
+run's shared committed-repository server (tests/conftest.py).
 
 No checkpoint is configured, so the engine model builds the tiny default CSM itself (in the test run's
-VOXBACKEND_CACHE); the reference engine in this process loads that same checkpoint. One server for the module.
+VOXBACKEND_CACHE); the reference engine in this process loads that same checkpoint. SIGTERM with csm streams
+open: tests/test_triton_committed_drain.py.
 """
 from __future__ import annotations
 
@@ -23,11 +24,9 @@ import soundfile as sf  # noqa: E402
 import tritonclient.grpc as tritonclient  # noqa: E402
 
 from voxbackend.stream_client import StreamOutcome, context_fields, make_inputs, stream_request  # noqa: E402
-from tests.triton_util import (assert_matches, committed_models, run_concurrently, serve,  # noqa: E402
-                               drain_streams)
+from tests.triton_util import COMMITTED, assert_matches, run_concurrently  # noqa: E402
 
 
-FOLDERS = ("csm", "csm_engine", "csm_preprocess")
 MAX_TOKENS = 12  # frames (80 ms each): ~1 s of audio per stream keeps 2-core runs quick
 RATE = 24000
 
@@ -86,15 +85,16 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    repo = committed_models(FOLDERS, tmp_path_factory.mktemp("repo"))
-    yield from serve(repo, tmp_path_factory.mktemp("triton"))
+pytestmark = pytest.mark.xdist_group(COMMITTED)
 
 
 @pytest.fixture(scope="module")
-def reference(server):
-    """Engine.synthesize in this process, on the checkpoint the server built."""
+def server(committed_server):
+    return committed_server
+
+
+def reference_engine():
+    """Engine.synthesize in this process, on the checkpoint the server built: (engine, synthesize)."""
     import voxbackend
     from voxbackend.models.csm.tiny import ensure_default_csm
 
@@ -108,6 +108,12 @@ def reference(server):
         assert rate == RATE
         return audio
 
+    return engine, synthesize
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    engine, synthesize = reference_engine()
     yield synthesize
     engine.shutdown()
 
@@ -201,15 +207,3 @@ def test_bad_inputs_get_one_clear_error_while_another_stream_finishes_intact(ser
     assert not failures, "\n".join(failures)
     assert long_out and long_out[0].arrivals[-1] > long_out[0].send_time + 0.5, "the long stream overlapped"
     assert_matches(long_out[0], expected, long_case.fmt, "long stream")
-
-
-# ---------------------------------------------------------------- last: SIGTERM stops the module's server
-
-
-def test_sigterm_lets_open_streams_finish_with_their_whole_audio_and_exit_0(server, reference):
-    """docker stop / Kubernetes: the streams through `csm` and `csm_engine` finish as they would have, exit 0."""
-    cases = [dataclasses.replace(c, max_tokens=50) for c in CASES[:3]]
-    models = ["csm", "csm", "csm_engine"]
-    outs = drain_streams(server, [(m, c.inputs(), c.fmt) for c, m in zip(cases, models)])
-    for i, (case, out) in enumerate(zip(cases, outs)):
-        assert_matches(out, reference(case), case.fmt, f"drained csm stream {i} ({models[i]})")

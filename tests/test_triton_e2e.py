@@ -1,9 +1,9 @@
 """End to end against a real tritonserver on loopback, serving the committed model_repository unchanged.
 
 The server is started the way Triton users start it (the committed configs, no checkpoint configured), so
-the engine model builds the tiny default checkpoint itself (into the test run's VOXBACKEND_CACHE,
-tests/conftest.py); the reference
-engine in this process then loads that same checkpoint. One server for the whole module.
+the engine model builds the tiny default checkpoint itself (into the test run's VOXBACKEND_CACHE); the reference
+engine in this process then loads that same checkpoint. The server is the run's shared committed-repository
+server (tests/conftest.py), which the csm, qwen3_tts, cosyvoice2 and Qwen3-TTS text-stream modules use too.
 """
 from __future__ import annotations
 
@@ -24,8 +24,7 @@ sys.path.insert(0, str(ROOT))
 import tritonclient.grpc as tritonclient  # noqa: E402
 
 from voxbackend.stream_client import StreamOutcome, make_inputs, stream_request  # noqa: E402
-from voxbackend.deploy import configs  # noqa: E402
-from tests.triton_util import assert_matches, metric, metric_values, run_concurrently, serve  # noqa: E402
+from tests.triton_util import COMMITTED, assert_matches, metric, metric_values, run_concurrently  # noqa: E402
 
 
 MAX_TOKENS = 63  # 9 Orpheus frames: a handful of chunks per stream keeps 2-core runs quick
@@ -46,9 +45,12 @@ TEXTS = [
 VOICES = ["tara", "leo", None, "mia"]
 
 
+pytestmark = pytest.mark.xdist_group(COMMITTED)
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from serve(configs.DEFAULT_REPOSITORY, tmp_path_factory.mktemp("triton"))
+def server(committed_server):
+    return committed_server
 
 
 @pytest.fixture(scope="module")

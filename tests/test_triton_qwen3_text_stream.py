@@ -1,4 +1,5 @@
-"""Text streaming with the real tiny Qwen3-TTS through tritonserver: the repository as the generator renders it.
+"""Text streaming with the real tiny Qwen3-TTS through tritonserver: the committed qwen3_tts_text_stream folder, on
+the run's shared committed-repository server (tests/conftest.py).
 
 Greedy (temperature 0, repetition penalty 1: the talker and its code predictor), the same text sent whole through
 the `qwen3_tts` model and in pieces with delays through `qwen3_tts_text_stream` gives the same audio: the
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from voxbackend.stream_client import make_inputs, stream_request, stream_text_pieces  # noqa: E402
-from tests.triton_util import serve  # noqa: E402
+from tests.triton_util import COMMITTED  # noqa: E402
 from tests import triton_util  # noqa: E402
 from voxbackend.deploy import configs  # noqa: E402
 
@@ -33,12 +34,13 @@ PIECES = ["Hel", "lo the", "re, how", " are you do", "ing today? I'", "m fine, t
 PCM16_STEPS = 4 / 32767
 
 
+pytestmark = pytest.mark.xdist_group(COMMITTED)
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    repo = configs.write_repository(tmp_path_factory.mktemp("repo") / "model_repository",
-                                    {"kv_pages": "256", "max_batch": "4"}, models=["qwen3_tts"])
-    assert (repo / MODEL / "config.pbtxt").is_file(), "qwen3_tts has text_streaming: the generator renders it"
-    yield from serve(repo, tmp_path_factory.mktemp("triton"), stop_within_s=30)
+def server(committed_server):
+    assert (configs.DEFAULT_REPOSITORY / MODEL / "config.pbtxt").is_file(), "qwen3_tts has text_streaming"
+    return committed_server
 
 
 def batched_string(name: str, value: str):

@@ -1,5 +1,6 @@
-"""The qwen3_tts deployment end to end: a real tritonserver on loopback serving the committed qwen3_tts_preprocess,
-qwen3_tts_engine and qwen3_tts folders unchanged (copied into a repository of their own).
+"""The qwen3_tts deployment end to end: the committed qwen3_tts_preprocess, qwen3_tts_engine and qwen3_tts folders
+unchanged, on the run's shared committed-repository server (tests/conftest.py; SIGTERM with qwen3_tts streams
+open: tests/test_triton_committed_drain.py).
 
 No checkpoint is configured, so the engine model builds the tiny default Qwen3-TTS (CustomVoice, tagged 0.6B:
 INSTRUCT is refused) in the test run's VOXBACKEND_CACHE; the reference engine in this process loads the same folder.
@@ -19,10 +20,8 @@ sys.path.insert(0, str(ROOT))
 import tritonclient.grpc as tritonclient  # noqa: E402
 
 from voxbackend.stream_client import make_inputs, stream_request  # noqa: E402
-from tests.triton_util import (assert_matches, committed_models, run_concurrently, serve,  # noqa: E402
-                               drain_streams)
+from tests.triton_util import COMMITTED, assert_matches, run_concurrently  # noqa: E402
 
-FOLDERS = ("qwen3_tts", "qwen3_tts_engine", "qwen3_tts_preprocess")
 MAX_TOKENS = 12  # frames of 80 ms
 RATE = 24000
 
@@ -59,15 +58,16 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    repo = committed_models(FOLDERS, tmp_path_factory.mktemp("repo"))
-    yield from serve(repo, tmp_path_factory.mktemp("triton"))
+pytestmark = pytest.mark.xdist_group(COMMITTED)
 
 
 @pytest.fixture(scope="module")
-def reference(server):
-    """Engine.synthesize in this process, on the checkpoint the server built."""
+def server(committed_server):
+    return committed_server
+
+
+def reference_engine():
+    """Engine.synthesize in this process, on the checkpoint the server built: (engine, synthesize)."""
     import voxbackend
     from voxbackend.models.qwen3_tts.tiny import ensure_default_qwen3_tts
 
@@ -81,6 +81,12 @@ def reference(server):
         assert rate == RATE
         return audio
 
+    return engine, synthesize
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    engine, synthesize = reference_engine()
     yield synthesize
     engine.shutdown()
 
@@ -117,16 +123,3 @@ def test_bad_inputs_are_refused_naming_the_tensor(server):
             if not (out.error and message in out.error and out.responses == 1 and not out.chunks):
                 failures.append(f"{model} / {name}: error={out.error!r} responses={out.responses}")
     assert not failures, "\n".join(failures)
-
-
-# ---------------------------------------------------------------- last: SIGTERM stops the module's server
-
-
-def test_sigterm_lets_open_streams_finish_with_their_whole_audio_and_exit_0(server, reference):
-    """docker stop / Kubernetes: the streams through `qwen3_tts` and `qwen3_tts_engine` finish as they would
-    have, exit 0."""
-    cases = [dataclasses.replace(c, max_tokens=150) for c in CASES[:3]]  # 12 s of audio each
-    models = ["qwen3_tts", "qwen3_tts", "qwen3_tts_engine"]
-    outs = drain_streams(server, [(m, c.inputs(), c.fmt) for c, m in zip(cases, models)])
-    for i, (case, out) in enumerate(zip(cases, outs)):
-        assert_matches(out, reference(case), case.fmt, f"drained qwen3_tts stream {i} ({models[i]})", RATE)

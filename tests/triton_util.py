@@ -18,6 +18,7 @@ import numpy as np
 from voxbackend.deploy.server import TritonServer
 
 ROOT = Path(__file__).resolve().parents[1]
+COMMITTED = "committed_repository"  # the xdist group of the modules on the shared committed-repository server
 
 T = TypeVar("T")
 
@@ -121,7 +122,7 @@ def start_serve(work_dir: Path, settings: dict[str, str], models: str = "orpheus
 
 
 def drain_streams(server: TritonServer, requests: list[tuple[str, list, str]]) -> list:
-    """A module's last test (it stops the module's server): (model, inputs, audio format) streams, SIGTERM to
+    """The last test on its server (it stops it): (model, inputs, audio format) streams, SIGTERM to
     tritonserver once each has had its first audio; asserts that the server exited 0 and that some stream
     ended after the signal (so the drain had work to do), and returns the streams' outcomes."""
     from voxbackend.stream_client import stream_request

@@ -1,0 +1,42 @@
+"""Last on the run's shared committed-repository server (tests/conftest.py): docker stop / Kubernetes while every
+family streams. SIGTERM once each open stream has had its first audio; the streams through each family's front
+model and engine model (CosyVoice2's with a cloned voice) finish with the whole audio they would have had, and
+tritonserver exits 0 within the drain grace period."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests import test_triton_cosyvoice2 as cosyvoice2
+from tests import test_triton_csm as csm
+from tests import test_triton_qwen3_tts as qwen3_tts
+from tests.triton_util import COMMITTED, assert_matches, drain_streams
+
+pytestmark = [pytest.mark.xdist_group(COMMITTED), pytest.mark.stops_committed_server]
+
+# (family module, the first three cases at these lengths, their models); shorter than each family's own tests
+# would need: nine streams of three engines share the 2 cores and the 15 s grace period (drain_grace_s)
+DRAINED = [
+    (csm, 40, ["csm", "csm", "csm_engine"]),
+    (qwen3_tts, 75, ["qwen3_tts", "qwen3_tts", "qwen3_tts_engine"]),
+    (cosyvoice2, 90, ["cosyvoice2", "cosyvoice2_engine", "cosyvoice2"]),
+]
+
+
+def test_sigterm_lets_every_familys_open_streams_finish_with_their_whole_audio_and_exit_0(committed_server):
+    streams = [(family, dataclasses.replace(case, max_tokens=length), model)
+               for family, length, models in DRAINED for case, model in zip(family.CASES[:3], models)]
+    outs = drain_streams(committed_server, [(model, case.inputs(), case.fmt) for _, case, model in streams])
+    references = {family: family.reference_engine() for family, _, _ in DRAINED}
+    try:
+        for i, ((family, case, model), out) in enumerate(zip(streams, outs)):
+            expected = references[family][1](case)
+            what = f"drained stream {i} ({model})"
+            if family is cosyvoice2:
+                cosyvoice2.assert_nonempty_match(out, expected, case.fmt, what)
+            else:
+                assert_matches(out, expected, case.fmt, what, family.RATE)
+    finally:
+        for engine, _ in references.values():
+            engine.shutdown()
