@@ -13,4 +13,4 @@ case "${1:-}" in  # the tiers are markers that tests/conftest.py sets per module
     --unit) shift; TIER=(-m "unit") ;;          # neither a tritonserver nor a reference package
 esac
 "$VENV/bin/ruff" check --quiet  # lint first (pyproject.toml [tool.ruff]): a finding fails the run in seconds
-exec "$VENV/bin/python" -m pytest -q -n "${VOXBACKEND_TEST_WORKERS:-2}" --dist loadgroup --durations=20 "${TIER[@]}" "$@"
+exec "$VENV/bin/python" -m pytest -q -n "${VOXBACKEND_TEST_WORKERS:-2}" --dist loadfile --durations=20 "${TIER[@]}" "$@"

@@ -1,4 +1,5 @@
 """Shared fixtures. Tests never touch the network: the checkpoints are built locally from a seed."""
+import functools
 import os
 import re
 import shutil
@@ -70,9 +71,9 @@ def _tier(path) -> str:
 
 
 # One tritonserver for the committed model_repository (what users copy, no checkpoint configured: the engine models
-# build the run's cached tiny defaults), shared by the modules that only need it running: they carry the xdist
-# group COMMITTED, so one worker runs them all, in order, and the test that stops the server with SIGTERM
-# (marked stops_committed_server) runs last. Every other module is a group of its own: a file stays on one worker.
+# build the run's cached tiny defaults), shared by the modules that only need it running: they are marked
+# xdist_group(COMMITTED), and one xdist worker runs them all, in order, with the test that stops the server with
+# SIGTERM (marked stops_committed_server) last. Every other file stays whole on one worker.
 
 
 @pytest.fixture(scope="session")
@@ -85,22 +86,40 @@ def committed_server(tmp_path_factory):
 
 from tests.triton_util import COMMITTED  # noqa: E402
 
+_IN_COMMITTED_GROUP = re.compile(r"^pytestmark = .*xdist_group\(COMMITTED\)", re.M)
+
+
+@functools.cache
+def _work_unit(path: str) -> str:
+    """A test file's unit of xdist work: the file, or COMMITTED for the files on the shared server."""
+    source = (Path(__file__).resolve().parents[1] / path).read_text(encoding="utf-8")
+    return COMMITTED if _IN_COMMITTED_GROUP.search(source) else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Whole files per worker, except the committed group, which is one unit of work. (xdist's own loadgroup marks
+    a test's group in its node id, which pytest 9 no longer lets a plugin change.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesAndCommittedGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid.split("::", 1)[0])
+
+    return FilesAndCommittedGroup(config, log)
+
 
 def _run_order(item) -> tuple[int, int]:
-    """The committed group first (the longest unit of work), then the other server modules, parity, unit; the
-    xdist workers take units in this order, so short modules fill in at the end."""
+    """The committed group first, then the other server modules, parity, unit (xdist hands out its largest units
+    first anyway; this is the order of a run without workers), and the test that stops the shared server last."""
     shared = any(m.args == (COMMITTED,) for m in item.iter_markers("xdist_group"))
     tier = {"triton": 1, "parity": 2, "unit": 3}[_tiers[str(item.path)]]
     return 0 if shared else tier, int(item.get_closest_marker("stops_committed_server") is not None)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = str(item.path)
         if path not in _tiers:
             _tiers[path] = _tier(item.path)
         item.add_marker(getattr(pytest.mark, _tiers[path]))
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
     items.sort(key=_run_order)  # stable: each module stays whole and in its order
