@@ -44,6 +44,7 @@ import numpy as np  # noqa: E402
 import provenance  # noqa: E402  (perf/provenance.py)
 from clients.loadgen import chunk_audio_seconds, finish_reason, is_final  # noqa: E402
 from voxbackend.stream_client import StreamOutcome, make_inputs, stream_request  # noqa: E402
+from voxbackend.triton.metrics import FINISH_REASONS  # noqa: E402
 
 PASS, FAIL, ERROR = "PASS", "FAIL", "ERROR"
 # The main server's one non-default setting: a short queue, so that "overloaded" takes two dozen streams, not 256.
@@ -749,9 +750,16 @@ def probe_hog(suite: Suite) -> list[Result]:
                     "naming MAX_TOKENS", observed, refused or served, t0, settle_s=30)]
 
 
+def finished_by_reason(metrics_url: str) -> collections.Counter:
+    """voxbackend_requests_finished_total per reason, summed over the engine models."""
+    return collections.Counter({reason: metric_total(metrics_url, "voxbackend_requests_finished_total", reason=reason)
+                                for reason in FINISH_REASONS})
+
+
 def probe_cancel_storm(suite: Suite) -> list[Result]:
     t0 = time.monotonic()
     before = metric_total(suite.metrics_url, "voxbackend_requests_finished_total", reason="cancelled")
+    reasons_before = finished_by_reason(suite.metrics_url)
     jobs = []
     for i in range(16):
         model = "orpheus" if i < 12 else "orpheus_engine"  # the front model and the direct engine
@@ -771,8 +779,10 @@ def probe_cancel_storm(suite: Suite) -> list[Result]:
     counted, _ = wait_until(lambda: metric_total(suite.metrics_url, "voxbackend_requests_finished_total",
                                                  reason="cancelled") - before >= 8, 10)
     delta = metric_total(suite.metrics_url, "voxbackend_requests_finished_total", reason="cancelled") - before
+    ended = finished_by_reason(suite.metrics_url) - reasons_before
     observed = (("; ".join(problems[:4]) if problems else "8 kept streams intact, 8 hung up after 2 chunks")
-                + f"; engine counted {delta:g} cancelled")
+                + f"; engine counted {delta:g} cancelled"
+                + ("" if delta >= 8 else f" (the 16 ended: {', '.join(f'{n:g} {r}' for r, n in ended.items())})"))
     return [settled(suite, "cancel_storm",
                     "16 concurrent streams (12 through `orpheus`, 4 direct), every odd one cancelled "
                     "after 2 chunks: the others finish intact, the engine counts 8 cancellations, pages and active "

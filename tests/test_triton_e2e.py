@@ -188,6 +188,11 @@ def test_bad_inputs_get_one_final_error_while_a_long_stream_finishes_intact(serv
 # ---------------------------------------------------------------- cancellation
 
 
+def finished_by_reason(server) -> dict[str, float]:
+    return {k: v for k, v in metric_values(server, "voxbackend_requests_finished_total").items()
+            if "orpheus" in k and v}
+
+
 def test_cancelling_half_of_16_streams_leaves_the_rest_intact_and_frees_kv(server, reference):
     tokens = 700
     before = metric(server, "voxbackend_requests_finished_total", reason="cancelled")
@@ -207,7 +212,7 @@ def test_cancelling_half_of_16_streams_leaves_the_rest_intact_and_frees_kv(serve
     # every cancelled stream ends as "cancelled" in the engine (with top_k=8 the tiny model practically never
     # picks end-of-speech, so none of them finishes its 700 tokens first), and its KV pages come back
     assert wait_for(lambda: metric(server, "voxbackend_requests_finished_total", reason="cancelled") - before
-                    == 8), "the engine did not see every cancellation"
+                    == 8), f"the engine did not see every cancellation: {finished_by_reason(server)}"
     assert wait_for(lambda: metric(server, "voxbackend_kv_pages_used") == 0
                     and metric(server, "voxbackend_active_streams") == 0), "KV pages or streams left over"
 
