@@ -19,6 +19,8 @@ if _OWNS_CACHE:
     os.environ["VOXBACKEND_TEST_CACHE"] = tempfile.mkdtemp(prefix="voxbackend-test-cache-")
 os.environ["VOXBACKEND_CACHE"] = str(Path(os.environ["VOXBACKEND_TEST_CACHE"]) / "default")
 
+from tests.triton_util import COMMITTED  # noqa: E402  (after the cache is set: voxbackend may read it on import)
+
 
 def pytest_unconfigure(config):
     if _OWNS_CACHE and not hasattr(config, "workerinput"):
@@ -83,8 +85,6 @@ def committed_server(tmp_path_factory):
 
     yield from serve(configs.DEFAULT_REPOSITORY, tmp_path_factory.mktemp("committed_server"), stop_within_s=30)
 
-
-from tests.triton_util import COMMITTED  # noqa: E402
 
 _IN_COMMITTED_GROUP = re.compile(r"^pytestmark = .*xdist_group\(COMMITTED\)", re.M)
 
