@@ -763,7 +763,8 @@ def probe_cancel_storm(suite: Suite) -> list[Result]:
     jobs = []
     for i in range(16):
         model = "orpheus" if i < 12 else "orpheus_engine"  # the front model and the direct engine
-        inputs = long_inputs(i, model, 700) if i % 2 else short_inputs(i, "fp32" if model == "orpheus" else None)
+        # the hung-up ones ask Orpheus's most (1200): a cancel that reaches the engine late still finds them running
+        inputs = long_inputs(i, model, 1200) if i % 2 else short_inputs(i, "fp32" if model == "orpheus" else None)
         jobs.append(lambda inputs=inputs, i=i, model=model: stream_request(
             suite.url, model, inputs, "fp32", timeout=240, cancel_after_chunks=2 if i % 2 else None,
             request_id=f"storm{i}"))

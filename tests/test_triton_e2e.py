@@ -194,7 +194,7 @@ def finished_by_reason(server) -> dict[str, float]:
 
 
 def test_cancelling_half_of_16_streams_leaves_the_rest_intact_and_frees_kv(server, reference):
-    tokens = 700
+    tokens = 1200  # Orpheus's most: a cancel that reaches the engine late (a loaded machine) still finds it running
     before = metric(server, "voxbackend_requests_finished_total", reason="cancelled")
     jobs = []
     for i in range(16):
@@ -210,7 +210,7 @@ def test_cancelling_half_of_16_streams_leaves_the_rest_intact_and_frees_kv(serve
         else:
             assert_matches(out, reference(TEXTS[i], None, 300 + i), "fp32", f"kept stream {i}")
     # every cancelled stream ends as "cancelled" in the engine (with top_k=8 the tiny model practically never
-    # picks end-of-speech, so none of them finishes its 700 tokens first), and its KV pages come back
+    # picks end-of-speech, so none of them finishes its 1200 tokens first), and its KV pages come back
     assert wait_for(lambda: metric(server, "voxbackend_requests_finished_total", reason="cancelled") - before
                     == 8), f"the engine did not see every cancellation: {finished_by_reason(server)}"
     assert wait_for(lambda: metric(server, "voxbackend_kv_pages_used") == 0
