@@ -64,10 +64,10 @@ _STARTS_TRITON = re.compile(r"TritonServer|start_serve|start_server|triton_util|
                             r"run_cpu_suite|reliability|serving_ab")
 _USES_REFERENCE = re.compile(r"^\s*(import|from) (transformers|snac|moshi|qwen_tts|cosyvoice|flashcosyvoice|"
                              r"s3tokenizer|kaldi_native_fbank|diffusers|tests\.\w*oracle)\b|oracle", re.M)
-_tiers: dict[str, str] = {}
 
 
-def _tier(path) -> str:
+@functools.cache
+def _tier(path: Path) -> str:
     source = path.read_text(encoding="utf-8")
     return "triton" if _STARTS_TRITON.search(source) else "parity" if _USES_REFERENCE.search(source) else "unit"
 
@@ -112,14 +112,11 @@ def _run_order(item) -> tuple[int, int]:
     """The committed group first, then the other server modules, parity, unit (xdist hands out its largest units
     first anyway; this is the order of a run without workers), and the test that stops the shared server last."""
     shared = any(m.args == (COMMITTED,) for m in item.iter_markers("xdist_group"))
-    tier = {"triton": 1, "parity": 2, "unit": 3}[_tiers[str(item.path)]]
+    tier = {"triton": 1, "parity": 2, "unit": 3}[_tier(item.path)]
     return 0 if shared else tier, int(item.get_closest_marker("stops_committed_server") is not None)
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        path = str(item.path)
-        if path not in _tiers:
-            _tiers[path] = _tier(item.path)
-        item.add_marker(getattr(pytest.mark, _tiers[path]))
+        item.add_marker(getattr(pytest.mark, _tier(item.path)))
     items.sort(key=_run_order)  # stable: each module stays whole and in its order

@@ -4,6 +4,7 @@ model and engine model (CosyVoice2's with a cloned voice) finish with the whole 
 tritonserver exits 0 within the drain grace period."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -28,15 +29,12 @@ def test_sigterm_lets_every_familys_open_streams_finish_with_their_whole_audio_a
     streams = [(family, dataclasses.replace(case, max_tokens=length), model)
                for family, length, models in DRAINED for case, model in zip(family.CASES[:3], models)]
     outs = drain_streams(committed_server, [(model, case.inputs(), case.fmt) for _, case, model in streams])
-    references = {family: family.reference_engine() for family, _, _ in DRAINED}
-    try:
+    with contextlib.ExitStack() as engines:
+        references = {family: engines.enter_context(family.reference_engine()) for family, _, _ in DRAINED}
         for i, ((family, case, model), out) in enumerate(zip(streams, outs)):
-            expected = references[family][1](case)
+            expected = references[family](case)
             what = f"drained stream {i} ({model})"
             if family is cosyvoice2:
                 cosyvoice2.assert_nonempty_match(out, expected, case.fmt, what)
             else:
                 assert_matches(out, expected, case.fmt, what, family.RATE)
-    finally:
-        for engine, _ in references.values():
-            engine.shutdown()

@@ -8,6 +8,7 @@ mel and speaker embedding are computed in the preprocess and reach the engine as
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import sys
@@ -80,8 +81,9 @@ def server(committed_server):
     return committed_server
 
 
+@contextlib.contextmanager
 def reference_engine():
-    """Engine.synthesize in this process, on the checkpoint the server built: (engine, synthesize)."""
+    """Engine.synthesize in this process, on the checkpoint the server built; the engine stops on exit."""
     import voxbackend
     from voxbackend.models.cosyvoice2.tiny import ensure_default_cosyvoice2
 
@@ -96,14 +98,16 @@ def reference_engine():
         assert rate == RATE
         return audio
 
-    return engine, synthesize
+    try:
+        yield synthesize
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def reference(server):
-    engine, synthesize = reference_engine()
-    yield synthesize
-    engine.shutdown()
+    with reference_engine() as synthesize:
+        yield synthesize
 
 
 def assert_nonempty_match(out, expected: np.ndarray, fmt: str, what: str) -> None:

@@ -7,6 +7,7 @@ open: tests/test_triton_committed_drain.py.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import sys
@@ -93,8 +94,9 @@ def server(committed_server):
     return committed_server
 
 
+@contextlib.contextmanager
 def reference_engine():
-    """Engine.synthesize in this process, on the checkpoint the server built: (engine, synthesize)."""
+    """Engine.synthesize in this process, on the checkpoint the server built; the engine stops on exit."""
     import voxbackend
     from voxbackend.models.csm.tiny import ensure_default_csm
 
@@ -108,14 +110,16 @@ def reference_engine():
         assert rate == RATE
         return audio
 
-    return engine, synthesize
+    try:
+        yield synthesize
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def reference(server):
-    engine, synthesize = reference_engine()
-    yield synthesize
-    engine.shutdown()
+    with reference_engine() as synthesize:
+        yield synthesize
 
 
 # ---------------------------------------------------------------- streams match the engine

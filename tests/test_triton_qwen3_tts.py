@@ -7,6 +7,7 @@ INSTRUCT is refused) in the test run's VOXBACKEND_CACHE; the reference engine in
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from pathlib import Path
@@ -66,8 +67,9 @@ def server(committed_server):
     return committed_server
 
 
+@contextlib.contextmanager
 def reference_engine():
-    """Engine.synthesize in this process, on the checkpoint the server built: (engine, synthesize)."""
+    """Engine.synthesize in this process, on the checkpoint the server built; the engine stops on exit."""
     import voxbackend
     from voxbackend.models.qwen3_tts.tiny import ensure_default_qwen3_tts
 
@@ -81,14 +83,16 @@ def reference_engine():
         assert rate == RATE
         return audio
 
-    return engine, synthesize
+    try:
+        yield synthesize
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def reference(server):
-    engine, synthesize = reference_engine()
-    yield synthesize
-    engine.shutdown()
+    with reference_engine() as synthesize:
+        yield synthesize
 
 
 def assert_first_frame_match(out, expected: np.ndarray, fmt: str, what: str) -> None:

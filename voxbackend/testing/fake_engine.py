@@ -206,7 +206,6 @@ class FakeEngine:
             r.prompt.extend(int(i) for i in ids)
             r.text_open = not final
 
-
     def cancel(self, request_id: str) -> None:
         with self._lock:
             self._cancelled.add(request_id)
