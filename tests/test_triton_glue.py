@@ -323,6 +323,43 @@ class IdleEngine:  # nothing generates: streams stay open until the loop ends th
         return None
 
 
+class SlowRecorder(Recorder):
+    def send(self, outputs, error, final):
+        time.sleep(0.001)  # a response is an IPC round trip: on a loaded machine, slower than the engine makes chunks
+        super().send(outputs, error, final)
+
+
+def test_a_gone_client_is_seen_while_other_streams_keep_the_event_queue_full():
+    """Housekeeping (is_cancelled, gauges, the drain deadline) ran only once the event queue was empty, so an engine
+    that kept it full hid a client's cancellation: its request ran to max_tokens (seen in CI on a loaded machine)."""
+    engine = IdleEngine()
+    loop = ResponseLoop(engine)
+    loop.add(Stream("busy", SlowRecorder(), "fp32", time.monotonic(), 24000))
+    loop.add(Stream("gone", Recorder(cancelled=True), "fp32", time.monotonic(), 24000))
+    chunk = np.zeros(240, np.float32)
+    stop = threading.Event()
+
+    def flood() -> None:  # the engine thread: always a backlog of the busy stream's chunks
+        while not stop.is_set():
+            if loop._queue.qsize() < 200:
+                for _ in range(200):
+                    loop.on_event(Event("busy", EventKind.AUDIO, audio=chunk))
+            time.sleep(0.0005)
+
+    feeder = threading.Thread(target=flood, daemon=True)
+    feeder.start()
+    loop.start()
+    try:
+        deadline = time.monotonic() + 3
+        while "gone" not in engine.cancelled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "gone" in engine.cancelled, "the cancellation was not seen while the queue stayed full"
+    finally:
+        stop.set()
+        feeder.join(2)
+        loop.stop()
+
+
 def test_a_failed_stream_behind_the_front_model_ends_with_a_normal_final_carrying_the_error():
     """An error response after the first one does not reach a BLS caller (Triton 2.51): a stream that asked for
     probes (behind the front model) gets a final response whose FINISH_REASON carries the error; a direct

@@ -182,12 +182,15 @@ class ResponseLoop:
             except queue.Empty:
                 item = None
             try:
+                # housekeeping at least every poll_s: an engine that keeps the queue full must not hide a cancel
+                until = self.clock() + self.poll_s
                 while item is not None:
                     if isinstance(item, _Stop):
                         self._close_all(item.reason)
                         return
                     self._handle(item)
-                    item = self._queue.get_nowait() if not self._queue.empty() else None
+                    busy = not self._queue.empty() and self.clock() < until
+                    item = self._queue.get_nowait() if busy else None
                 self._housekeeping()
             except Exception:  # never let the sender die: every open stream would hang
                 log.exception("response loop error")
