@@ -1,9 +1,11 @@
-"""The decoder backbone of the Llama / Qwen2 / Qwen3 family over the paged KV pool.
+"""The decoder backbone of the Llama / Qwen2 / Qwen3 family, and GPT-2, over the paged KV pool.
 
 GQA, RMSNorm, SwiGLU and rotary positions (plain, linear or Llama-3 scaled), plus what tells the family apart:
 q/k/v bias (Qwen2; any member with `attention_bias`), per-head q/k RMSNorm before RoPE (Qwen3), a tied or
-untied head and head_dim from the config. Loads the weight names of Hugging Face `LlamaForCausalLM`,
-`Qwen2ForCausalLM` and `Qwen3ForCausalLM`; q/k/v and gate/up are fused at load time so one matmul serves each;
+untied head and head_dim from the config. GPT-2 is the same layer with other parts, chosen by config flags:
+LayerNorm, a plain gelu(tanh) MLP, biases everywhere and learned absolute positions instead of RoPE. Loads the
+weight names of Hugging Face `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM` and `GPT2LMHeadModel` /
+`GPT2Model`; q/k/v and gate/up are fused (GPT-2's Conv1D transposed) at load time so one matmul serves each;
 attention goes through a pluggable backend (voxbackend.attention).
 """
 from __future__ import annotations
@@ -22,8 +24,12 @@ FAMILIES = {
     "llama": dict(qkv_bias=None, o_bias=None, qk_norm=False),  # None: config.json's attention_bias
     "qwen2": dict(qkv_bias=True, o_bias=False, qk_norm=False),
     "qwen3": dict(qkv_bias=None, o_bias=None, qk_norm=True),
+    "gpt2": dict(qkv_bias=True, o_bias=True, qk_norm=False),  # and more: see DecoderConfig.from_gpt2
 }
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2"}
+# GPT-2's activation_function -> F.gelu's approximate argument ("gelu_new" is the tanh form)
+GPT2_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
 @dataclass
@@ -35,7 +41,7 @@ class DecoderConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # the eps of every norm, RMSNorm or LayerNorm
     rope_theta: float
     rope_scaling: dict | None
     max_position_embeddings: int
@@ -44,11 +50,17 @@ class DecoderConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on every q and k head, before RoPE
+    norm: str = "rms"  # "rms" (RMSNorm) or "layer" (LayerNorm with bias: GPT-2)
+    mlp: str = "swiglu"  # "swiglu" (gate/up, silu) or "gelu" (one up projection: GPT-2)
+    gelu_approximate: str = "tanh"  # F.gelu's approximate for mlp "gelu"
+    positions: str = "rope"  # "rope" or "learned" (an absolute position table added to the input: GPT-2)
 
     @classmethod
     def from_hf(cls, cfg: dict, family: str | None = None) -> "DecoderConfig":
         """A config.json dict; `family` (llama, qwen2, qwen3) defaults to the one its model_type names."""
         family = family or cfg.get("model_type")
+        if family == "gpt2":
+            return cls.from_gpt2(cfg)
         rules = FAMILIES.get(family, FAMILIES["llama"])
         if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ()):
             raise ValueError("sliding-window attention layers are not supported (use_sliding_window / layer_types)")
@@ -76,6 +88,40 @@ class DecoderConfig:
             qk_norm=rules["qk_norm"],
         )
 
+    @classmethod
+    def from_gpt2(cls, cfg: dict) -> "DecoderConfig":
+        """A GPT2Config dict: its own names (n_embd, n_head, ...) or the generic ones its attribute_map allows."""
+        def get(name: str, alias: str, default=None):
+            value = cfg.get(name, cfg.get(alias, default))
+            if value is None:
+                raise KeyError(f"GPT-2 config has neither {name!r} nor {alias!r}")
+            return value
+
+        if not cfg.get("scale_attn_weights", True) or cfg.get("scale_attn_by_inverse_layer_idx", False):
+            raise ValueError("GPT-2 attention scaled other than by head_dim**-0.5 is not supported")
+        if cfg.get("add_cross_attention"):
+            raise ValueError("GPT-2 with cross-attention is not supported")
+        act = cfg.get("activation_function", "gelu_new")
+        if act not in GPT2_GELU:
+            raise ValueError(f"unsupported GPT-2 activation_function {act!r} (supported: {', '.join(GPT2_GELU)})")
+        hidden, heads = get("n_embd", "hidden_size"), get("n_head", "num_attention_heads")
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg.get("n_inner") or 4 * hidden,
+            num_layers=get("n_layer", "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=hidden // heads,
+            rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+            rope_theta=10000.0,  # unused: no RoPE
+            rope_scaling=None,
+            max_position_embeddings=get("n_positions", "max_position_embeddings", 1024),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+            qkv_bias=True, o_bias=True, mlp_bias=True,
+            norm="layer", mlp="gelu", gelu_approximate=GPT2_GELU[act], positions="learned",
+        )
+
     def geometry(self) -> LMGeometry:
         return LMGeometry(
             num_layers=self.num_layers,
@@ -88,7 +134,7 @@ class DecoderConfig:
 
 
 def decoder_family(hf_config: dict) -> str | None:
-    """llama, qwen2 or qwen3 for a plain causal-LM checkpoint of the family, else None. `architectures` may be
+    """llama, qwen2, qwen3 or gpt2 for a plain causal-LM checkpoint of the family, else None. `architectures` may be
     null (a config written from a `to_dict()`): model_type decides then."""
     for arch in hf_config.get("architectures") or ():
         if arch in ARCHITECTURES:
@@ -139,6 +185,10 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def make_norm(cfg: DecoderConfig, dim: int) -> nn.Module:
+    return nn.LayerNorm(dim, eps=cfg.rms_norm_eps) if cfg.norm == "layer" else RMSNorm(dim, cfg.rms_norm_eps)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -153,14 +203,17 @@ class DecoderLayer(nn.Module):
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gated = cfg.mlp == "swiglu"
+        # gate and up fused; a plain (GPT-2) MLP has the up projection alone under the same name
+        self.gate_up = nn.Linear(cfg.hidden_size, (2 if self.gated else 1) * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_norm = make_norm(cfg, cfg.hidden_size)
+        self.post_norm = make_norm(cfg, cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, attention) -> torch.Tensor:
+        """cos/sin None: no RoPE (learned positions were added to the input)."""
         cfg = self.cfg
         t = x.shape[0]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -168,12 +221,16 @@ class DecoderLayer(nn.Module):
         q, k = q.view(t, cfg.num_heads, cfg.head_dim), k.view(t, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
         attn = attention.attend(self.index, q, k, v).reshape(t, q_size)
         x = x + self.o_proj(attn)
-        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        h = self.gate_up(self.post_norm(x))
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            return x + self.down(F.silu(gate) * up)
+        return x + self.down(F.gelu(h, approximate=cfg.gelu_approximate))
 
 
 class Decoder(nn.Module):
@@ -183,20 +240,28 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
+        learned = cfg.positions == "learned"
+        self.pos_embed = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if learned else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = make_norm(cfg, cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        if not learned:
+            self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
         """Flattened batch: input_ids/positions [T] -> final-normed hidden states [T, hidden]."""
         return self.forward_embeds(self.embed(input_ids), positions, attention)
 
     def forward_embeds(self, x: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
-        """Input embeddings [T, hidden] -> final-normed hidden states [T, hidden]."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
+        """Input embeddings [T, hidden] -> final-normed hidden states [T, hidden]. Learned positions (GPT-2) are
+        added here, indexed by the global position, so `x` holds the token embeddings alone."""
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+            cos = sin = None
+        else:
+            freqs = positions[:, None].float() * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, attention)
         return self.norm(x)
@@ -204,18 +269,23 @@ class Decoder(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor], prefix: str = "model.") -> None:
+    def load_hf_weights(self, weights: dict[str, torch.Tensor], prefix: str | None = None) -> None:
         """Copy HF *ForCausalLM tensors in, fusing q/k/v and gate/up. `prefix` names the decoder stack
-        ("backbone_model." and "depth_decoder.model." in a CSM checkpoint); the head is always "lm_head.weight"."""
+        ("backbone_model." and "depth_decoder.model." in a CSM checkpoint, "tfmr." in Chatterbox's T3); None: the
+        family's own ("model.", GPT-2's "transformer." or "" for a bare GPT2Model). The head is always
+        "lm_head.weight"."""
         def take(name: str) -> torch.Tensor:
             if name not in weights:
                 raise KeyError(f"checkpoint is missing weight {name!r}")
             return weights[name]
 
         cfg = self.cfg
-        sd = {"norm.weight": take(prefix + "norm.weight")}
+        gpt2 = cfg.positions == "learned"
+        if prefix is None:
+            prefix = ("transformer." if "transformer.wpe.weight" in weights else "") if gpt2 else "model."
+        sd = self._gpt2_layers(take, prefix) if gpt2 else self._llama_layers(take, prefix)
         if self.embed is not None:
-            sd["embed.weight"] = take(prefix + "embed_tokens.weight")
+            sd["embed.weight"] = take(prefix + ("wte.weight" if gpt2 else "embed_tokens.weight"))
         if self.lm_head is not None:
             head = weights.get("lm_head.weight")
             if head is None:
@@ -223,6 +293,19 @@ class Decoder(nn.Module):
                     raise KeyError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
                 head = sd["embed.weight"]
             sd["lm_head.weight"] = head
+        tied = self.lm_head is not None and self.embed is not None and sd["lm_head.weight"] is sd["embed.weight"]
+        if tied:
+            del sd["lm_head.weight"]
+        self.load_state_dict(sd, strict=False, assign=True)
+        if tied:
+            self.lm_head.weight = self.embed.weight  # tied: one tensor, not two copies
+        missing = {n for n, _ in self.named_parameters()} - set(sd) - {"lm_head.weight"}
+        if missing:
+            raise KeyError(f"weights not loaded: {sorted(missing)}")
+
+    def _llama_layers(self, take, prefix: str) -> dict[str, torch.Tensor]:
+        cfg = self.cfg
+        sd = {"norm.weight": take(prefix + "norm.weight")}
         projections = {  # ours -> the checkpoint's, concatenated in this order; whether it has a bias
             "qkv": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), cfg.qkv_bias),
             "o_proj": (("self_attn.o_proj",), cfg.o_bias),
@@ -240,24 +323,40 @@ class Decoder(nn.Module):
             if cfg.qk_norm:
                 sd[ours + "q_norm.weight"] = take(p + "self_attn.q_norm.weight")
                 sd[ours + "k_norm.weight"] = take(p + "self_attn.k_norm.weight")
-        tied = self.lm_head is not None and self.embed is not None and sd["lm_head.weight"] is sd["embed.weight"]
-        if tied:
-            del sd["lm_head.weight"]
-        self.load_state_dict(sd, strict=False, assign=True)
-        if tied:
-            self.lm_head.weight = self.embed.weight  # tied: one tensor, not two copies
-        missing = {n for n, _ in self.named_parameters()} - set(sd) - {"lm_head.weight"}
-        if missing:
-            raise KeyError(f"weights not loaded: {sorted(missing)}")
+        return sd
+
+    def _gpt2_layers(self, take, prefix: str) -> dict[str, torch.Tensor]:
+        # GPT-2's Conv1D keeps its weight [in, out]: transposed once here into nn.Linear's [out, in]
+        sd = {"pos_embed.weight": take(prefix + "wpe.weight")}
+        names = {"qkv": "attn.c_attn", "o_proj": "attn.c_proj", "gate_up": "mlp.c_fc", "down": "mlp.c_proj",
+                 "input_norm": "ln_1", "post_norm": "ln_2"}
+        for i in range(self.cfg.num_layers):
+            p, ours = f"{prefix}h.{i}.", f"layers.{i}."
+            for name, theirs in names.items():
+                weight = take(f"{p}{theirs}.weight")
+                sd[f"{ours}{name}.weight"] = weight if name.endswith("norm") else weight.t().contiguous()
+                sd[f"{ours}{name}.bias"] = take(f"{p}{theirs}.bias")
+        sd["norm.weight"], sd["norm.bias"] = take(prefix + "ln_f.weight"), take(prefix + "ln_f.bias")
+        return sd
 
 
 def build_decoder(cfg: DecoderConfig, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype,
-                  prefix: str = "model.", embed: bool = True, head: bool = True) -> Decoder:
-    """Build on the meta device (no random init), then take the checkpoint's tensors."""
+                  prefix: str | None = None, embed: bool = True, head: bool = True) -> Decoder:
+    """Build on the meta device (no random init), then take the checkpoint's tensors. `prefix` None: the family's
+    own (see Decoder.load_hf_weights)."""
     with torch.device("meta"):
         model = Decoder(cfg, embed, head)
     model.load_hf_weights(weights, prefix)
-    model.inv_freq = rope_inv_freq(cfg)  # the meta-device buffer has no data
+    return finish_meta_decoder(model, device, dtype)
+
+
+def finish_meta_decoder(model: Decoder, device: str, dtype: torch.dtype) -> Decoder:
+    """A decoder built on the meta device whose weights are loaded: to the device, RoPE frequencies recomputed
+    (the meta-device buffer has no data) and kept float32 whatever the weights' dtype."""
+    rope = model.pos_embed is None
+    if rope:
+        model.inv_freq = rope_inv_freq(model.cfg)
     model = model.to(device=device, dtype=dtype).eval()
-    model.inv_freq = model.inv_freq.float()  # RoPE frequencies stay float32 whatever the weights' dtype
+    if rope:
+        model.inv_freq = model.inv_freq.float()
     return model
