@@ -27,6 +27,8 @@ class EstimatorConfig:
     num_mid_blocks: int = 12
     num_heads: int = 8
     chunk_size: int = 50        # mel frames per attention chunk when streaming (25 tokens x 2)
+    # Chatterbox-Turbo's mean-flow decoder: also embeds the step's end time r and mixes both time embeddings
+    meanflow: bool = False
 
 
 class CausalConv1d(nn.Conv1d):
@@ -134,6 +136,8 @@ class CausalConditionalDecoder(nn.Module):
         channels = tuple(cfg.channels)
         time_dim = channels[0] * 4
         self.time_mlp = TimeMLP(cfg.in_channels, time_dim)
+        if cfg.meanflow:
+            self.time_embed_mixer = nn.Linear(2 * time_dim, time_dim, bias=False)
 
         def transformers(dim: int) -> nn.ModuleList:
             return nn.ModuleList(TransformerBlock(dim, cfg.num_heads, cfg.attention_head_dim)
@@ -170,9 +174,13 @@ class CausalConditionalDecoder(nn.Module):
         return h.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
-                cond: torch.Tensor, streaming: torch.Tensor) -> torch.Tensor:
-        """x, mu, cond: (B, 80, T); mask: (B, 1, T) float, a prefix of ones; t: (B,); spks: (B, 80); streaming: (B,)."""
+                cond: torch.Tensor, streaming: torch.Tensor, r: torch.Tensor | None = None) -> torch.Tensor:
+        """x, mu, cond: (B, 80, T); mask: (B, 1, T) float, a prefix of ones; t: (B,); spks: (B, 80); streaming: (B,);
+        r: (B,) the step's end time (meanflow only)."""
         temb = self.time_mlp(timestep_features(t, self.cfg.in_channels).to(t.dtype))
+        if self.cfg.meanflow:
+            remb = self.time_mlp(timestep_features(r, self.cfg.in_channels).to(t.dtype))
+            temb = self.time_embed_mixer(torch.cat([temb, remb], dim=1))
         h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.size(-1)), cond], dim=1)
         skips, masks = [], [mask]
         for resnet, blocks, down in self.down_blocks:

@@ -5,6 +5,11 @@ speaker embedding: the encoder turns them into `mu` at 50 Hz, and a 10-step Eule
 from the fixed noise buffer, with classifier-free guidance (the conditional and unconditional halves of every row
 run together as one 2B estimator batch). The noise is a seeded buffer indexed by frame, so decoding is deterministic
 and a frame gets the same noise in every window that contains it.
+
+Chatterbox's S3Gen (voxbackend.models.chatterbox.s3gen) runs the same modules with three options: `encode_lookahead`
+(its lookahead tokens are encoded, and attended to, like the others and only their frames are dropped),
+`chunk_attention=False` (full attention in every window) and the estimator's `meanflow` (Chatterbox-Turbo: a few
+plain Euler steps on a linear schedule, no guidance, the estimator told each step's end time).
 """
 from __future__ import annotations
 
@@ -27,6 +32,10 @@ class FlowConfig:
     cfg_rate: float = 0.7               # inference classifier-free guidance
     noise_seed: int = 0
     max_frames: int = 50 * 300          # the noise buffer: 300 s of mel at 50 Hz, prompt included
+    # False (CosyVoice2): a window's lookahead tokens only feed the lookahead conv. True (Chatterbox): they are
+    # encoded like the others (other tokens attend to them) and their frames are dropped before the estimator
+    encode_lookahead: bool = False
+    chunk_attention: bool = True        # False: full attention in streamed windows too (Chatterbox has no chunks)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
 
@@ -85,16 +94,19 @@ class FlowMatching(nn.Module):
         frames = lengths * ratio
         if int(frames.max()) > cfg.max_frames:
             raise ValueError(f"{int(frames.max())} mel frames exceed the noise buffer ({cfg.max_frames})")
-        streaming = torch.tensor([r.streaming for r in rows], device=device)
+        streaming = torch.tensor([r.streaming and cfg.chunk_attention for r in rows], device=device)
         tokens = torch.zeros(n_rows, int(total.max()), dtype=torch.long, device=device)
         for i, r in enumerate(rows):
             tokens[i, :len(r.tokens)] = r.tokens.to(device)
         dtype = self.input_embedding.weight.dtype
         valid = (torch.arange(tokens.size(1), device=device)[None] < total[:, None]).unsqueeze(-1).to(dtype)
         x = self.input_embedding(tokens.clamp(min=0)) * valid
-        h = self.encoder(x, lengths, context, streaming)
-        mu = self.encoder_proj(h).transpose(1, 2).contiguous()          # (B, mel, T)
-        t_max = mu.size(-1)
+        if cfg.encode_lookahead:
+            h = self.encoder(x, total, torch.zeros_like(context), streaming)
+        else:
+            h = self.encoder(x, lengths, context, streaming)
+        t_max = int(frames.max())
+        mu = self.encoder_proj(h[:, :t_max]).transpose(1, 2).contiguous()   # (B, mel, T)
         mask = (torch.arange(t_max, device=device)[None] < frames[:, None]).to(dtype).unsqueeze(1)
         spks = self.spk_embed_affine_layer(
             F.normalize(torch.stack([r.embedding for r in rows]).to(device, dtype), dim=1))
@@ -108,6 +120,8 @@ class FlowMatching(nn.Module):
     def _solve(self, x, mu, mask, spks, cond, streaming) -> torch.Tensor:
         """Euler steps on a cosine time schedule; guidance v = (1 + w) v(cond) - w v(uncond)."""
         cfg = self.cfg
+        if cfg.estimator.meanflow:
+            return self._solve_meanflow(x, mu, mask, spks, cond, streaming)
         t_span = torch.linspace(0, 1, cfg.n_timesteps + 1, device=x.device, dtype=x.dtype)
         t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
         t, dt = t_span[0], t_span[1] - t_span[0]
@@ -123,4 +137,14 @@ class FlowMatching(nn.Module):
             t = t + dt
             if step < len(t_span) - 1:
                 dt = t_span[step + 1] - t
+        return x
+
+    def _solve_meanflow(self, x, mu, mask, spks, cond, streaming) -> torch.Tensor:
+        """Euler steps on a linear schedule, each told its end time; no guidance (the mean-flow model was
+        distilled from guided outputs)."""
+        t_span = torch.linspace(0, 1, self.cfg.n_timesteps + 1, device=x.device, dtype=x.dtype)
+        b = x.size(0)
+        for t, r in zip(t_span[:-1], t_span[1:]):
+            v = self.decoder.estimator(x, mask, mu, t.expand(b), spks, cond, streaming, r=r.expand(b))
+            x = x + (r - t) * v
         return x

@@ -36,6 +36,10 @@ class HiFTConfig:
     lrelu_slope: float = 0.1
     audio_limit: float = 0.99
     f0_channels: int = 512
+    # where the excitation's phase is integrated: "frame" (CosyVoice2's SineGen2: at the frame rate, then
+    # interpolated; initial phases in [0, 1) turns) or "sample" (CosyVoice 1's SineGen, which Chatterbox keeps: a
+    # cumulative sum over every sample; initial phases uniform in [-pi, pi) radians)
+    phase_rate: str = "frame"
 
     @property
     def samples_per_frame(self) -> int:
@@ -116,12 +120,16 @@ class SourceModule(nn.Module):
 
     def __init__(self, cfg: HiFTConfig):
         super().__init__()
+        if cfg.phase_rate not in ("frame", "sample"):
+            raise ValueError(f"phase_rate must be 'frame' or 'sample', not {cfg.phase_rate!r}")
         self.cfg = cfg
         self.l_linear = nn.Linear(cfg.nb_harmonics + 1, 1)
 
     def forward(self, f0: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
         """f0: (B, L, 1) at the audio rate. Returns the excitation (B, L, 1)."""
         cfg = self.cfg
+        if cfg.phase_rate == "sample":
+            return self._per_sample(f0, generators)
         scale = cfg.samples_per_frame
         b, length, _ = f0.shape
         dim = cfg.nb_harmonics + 1
@@ -144,6 +152,26 @@ class SourceModule(nn.Module):
         uv = (f0 > cfg.nsf_voiced_threshold).to(f0.dtype)
         noise = (uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3) * noise
         return torch.tanh(self.l_linear(sines * uv + noise))
+
+    def _per_sample(self, f0: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+        cfg = self.cfg
+        length, dim = f0.size(1), cfg.nb_harmonics + 1
+        # per row, in the reference's draw order: initial phases, sine noise (B, dim, L), the (unused) noise branch
+        draws = [(torch.rand(1, dim, 1, generator=g), torch.randn(1, dim, length, generator=g),
+                  torch.randn(1, length, 1, generator=g)) for g in generators]
+        low, high = torch.tensor(-np.pi), torch.tensor(np.pi)
+        phase0 = (low + torch.cat([d[0] for d in draws]) * (high - low)).to(f0.device)
+        phase0[:, 0] = 0
+        noise = torch.cat([d[1] for d in draws]).to(f0.device)
+        f0 = f0.transpose(1, 2).float()                                        # (B, 1, L)
+        harmonics = f0 * torch.arange(1, dim + 1, device=f0.device, dtype=f0.dtype)[:, None] / cfg.sampling_rate
+        # the phase as a float32 running sum over the whole window, wrapped after summing, as the reference does
+        theta = 2 * np.pi * (torch.cumsum(harmonics, dim=-1) % 1)
+        sines = cfg.nsf_alpha * torch.sin(theta + phase0)
+        uv = (f0 > cfg.nsf_voiced_threshold).float()
+        noise = (uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3) * noise
+        excitation = (sines * uv + noise).transpose(1, 2).to(self.l_linear.weight.dtype)
+        return torch.tanh(self.l_linear(excitation))
 
 
 class HiFTGenerator(nn.Module):
