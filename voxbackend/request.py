@@ -32,6 +32,25 @@ class LMState:
 
 
 @dataclass(slots=True)
+class GuideRow:
+    """The unconditioned LM row of a request sampled with classifier-free guidance: its own prompt (same length and
+    positions) and KV pages. It is fed the request's generated inputs and is admitted, grown, preempted and released
+    with it; the sampled step comes from both rows' logits."""
+
+    prompt_ids: list
+    features: Any = None  # [N, hidden] on the device: its FEATURE rows' vectors, at the request's feature_positions
+    pages: list[int] = field(default_factory=list)
+
+    def positions(self, r: "Request", start: int, end: int) -> list:
+        prompt = len(self.prompt_ids)
+        return self.prompt_ids[start:end] + r.lm.input_rows[max(0, start - prompt) : max(0, end - prompt)]
+
+    def position(self, r: "Request", i: int):
+        prompt = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < prompt else r.lm.input_rows[i - prompt]
+
+
+@dataclass(slots=True)
 class PenaltyState:
     """The model runner's row of penalized ids (engine/penalties.py), while the request samples with a penalty."""
 
@@ -92,6 +111,7 @@ class Request:
     # the prompt positions that are FEATURE rows (ascending) and their vectors [N, hidden], on the device
     feature_positions: list[int] = field(default_factory=list)
     features: Any = None
+    guide: GuideRow | None = None  # sampling.cfg_weight > 0 on a model with guidance
     lm: LMState = field(default_factory=LMState)
     penalty: PenaltyState = field(default_factory=PenaltyState)
     codec: CodecState = field(default_factory=CodecState)
@@ -102,6 +122,11 @@ class Request:
         """The sequence so far: prompt and the inputs of generated steps (the last one's keys/values are not cached
         yet)."""
         return len(self.prompt_ids) + len(self.lm.input_rows)
+
+    @property
+    def pool_keys(self) -> tuple[str, ...]:
+        """Its page tables in the KV pool: one per LM row."""
+        return (self.id,) if self.guide is None else (self.id, self.id + "/uncond")
 
     @property
     def uncached(self) -> int:

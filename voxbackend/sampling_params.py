@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from voxbackend.errors import InvalidRequest
 
 MAX_SEED = 2**31 - 1
+MAX_CFG_WEIGHT = 10.0  # far past any useful guidance; larger weights only amplify the unconditioned row's noise
 
 
 @dataclass
@@ -26,6 +27,9 @@ class SamplingParams:
     # (temperature-scaled, untruncated) distribution. 0 disables.
     ras_window: int = 0
     ras_tau_r: float = 0.1
+    # classifier-free guidance (models whose spec has guidance, e.g. Chatterbox): each step runs a second,
+    # unconditioned row and samples from cond + cfg_weight * (cond - uncond). 0: one row, no guidance.
+    cfg_weight: float = 0.0
 
     def validated(self) -> "SamplingParams":
         """Return a copy with checked types and ranges and a concrete seed; raise InvalidRequest otherwise."""
@@ -39,6 +43,7 @@ class SamplingParams:
         p.min_tokens = _number("min_tokens", p.min_tokens, int)
         p.ras_window = _number("ras_window", p.ras_window, int)
         p.ras_tau_r = _number("ras_tau_r", p.ras_tau_r, float)
+        p.cfg_weight = _number("cfg_weight", p.cfg_weight, float)
         _check("temperature", p.temperature >= 0, f"must be >= 0 (0 = greedy), got {p.temperature}")
         _check("top_p", 0 < p.top_p <= 1, f"must be in (0, 1], got {p.top_p}")
         _check("min_p", 0 <= p.min_p <= 1, f"must be in [0, 1], got {p.min_p}")
@@ -49,6 +54,8 @@ class SamplingParams:
         _check("min_tokens", p.min_tokens >= 0, f"must be >= 0, got {p.min_tokens}")
         _check("ras_window", 0 <= p.ras_window <= 1000, f"must be in [0, 1000] (0 = off), got {p.ras_window}")
         _check("ras_tau_r", 0 <= p.ras_tau_r <= 1, f"must be in [0, 1], got {p.ras_tau_r}")
+        _check("cfg_weight", 0 <= p.cfg_weight <= MAX_CFG_WEIGHT,
+               f"must be in [0, {MAX_CFG_WEIGHT:g}] (0 = no guidance), got {p.cfg_weight}")
         if p.seed is None:
             p.seed = random.randint(0, MAX_SEED)
         else:

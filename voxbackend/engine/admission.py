@@ -31,16 +31,17 @@ class Admission:
 
         A new request needs the pages of its first prefill chunk; a preempted one the pages of its whole
         sequence, since it must recompute all of it before it can sample again (a half-recomputed prefix taken
-        back would be wasted work). On top, one free page per request already on the LM: each grows by about a
+        back would be wasted work); a guided request needs them for both its rows. On top, one free page per
+        request already on the LM: each grows by about a
         page per page_size steps, so a newcomer is not let into a pool that must preempt at the very next step.
         """
         queued = [r for r in self.running if r.lm.preempted] + list(self.waiting)
         for r in self.policy.admission_order(queued, now):
             first = r.num_positions if r.lm.preempted else min(len(r.prompt_ids), self.config.prefill_budget)
-            need = self.pool.pages_for(first)
+            need = self.pool.pages_for(first) * len(r.pool_keys)
             if need + self._headroom() > self.pool.free_pages and not self._make_room(r, need, now):
                 return
-            r.lm.pages = self.pool.allocate(r.id, first)
+            self._allocate(r, first)
             if r.lm.preempted:
                 r.lm.preempted = False
             else:
@@ -60,7 +61,7 @@ class Admission:
             return False
         victims = [v for v in self.running if v.on_lm and not self.policy.pressing(v, now)]
         # each victim frees its pages and lowers the headroom by one
-        if self.pool.free_pages + sum(len(v.lm.pages) + 1 for v in victims) < need + self._headroom():
+        if self.pool.free_pages + sum(held_pages(v) + 1 for v in victims) < need + self._headroom():
             return False
         while need + self._headroom() > self.pool.free_pages:
             victim = preemption_victim(victims, now)
@@ -73,11 +74,12 @@ class Admission:
         (the most pressing first). When the pool is dry, the request that can best afford a pause among all on
         the LM (possibly the one asking) is preempted. Returns the plan without the preempted."""
         for r, n in plan:
-            need = self.pool.missing(r.id, r.lm.num_cached + n)  # most steps need none
+            # most steps need none; a guided request's rows grow together
+            need = sum(self.pool.missing(key, r.lm.num_cached + n) for key in r.pool_keys)
             while not r.lm.preempted and need > self.pool.free_pages:
                 self.preempt(preemption_victim([x for x in self.running if x.on_lm], now))
             if need and not r.lm.preempted:
-                r.lm.pages = self.pool.allocate(r.id, r.lm.num_cached + n)
+                self._allocate(r, r.lm.num_cached + n)
         return [(r, n) for r, n in plan if not r.lm.preempted]
 
     def preempt(self, r: Request) -> None:
@@ -94,8 +96,21 @@ class Admission:
 
     def release(self, r: Request) -> None:
         """The request's pages go back to the pool (harmless when it holds none)."""
-        self.pool.release(r.id)
+        for key in r.pool_keys:
+            self.pool.release(key)
         r.lm.pages = []
+        if r.guide is not None:
+            r.guide.pages = []
+
+    def _allocate(self, r: Request, num_tokens: int) -> None:
+        """Grow every LM row of the request to hold num_tokens positions."""
+        r.lm.pages = self.pool.allocate(r.id, num_tokens)
+        if r.guide is not None:
+            r.guide.pages = self.pool.allocate(r.pool_keys[1], num_tokens)
+
+
+def held_pages(r: Request) -> int:
+    return len(r.lm.pages) + (len(r.guide.pages) if r.guide is not None else 0)
 
 
 def preemption_victim(holders: list[Request], now: float) -> Request:

@@ -100,7 +100,7 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(rid, checked.prompt_ids, checked.sampling, on_event or (lambda e: None), self.clock(),
                       streaming=streaming, conditioning=checked.conditioning,
-                      feature_positions=checked.feature_positions, features=checked.features,
+                      feature_positions=checked.feature_positions, features=checked.features, guide=checked.guide,
                       lm=LMState(track=checked.track, awaiting_input=self.model.waits_for_input(checked.track)))
         self.inbox.submit(req, text_open)
         return rid

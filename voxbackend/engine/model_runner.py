@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import bisect
 import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -32,48 +34,45 @@ class ModelRunner:
     def run(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int | list[int]]]:
         """Run each planned request's next `n` positions (prompt chunks, a resumed prefix, or its last step's
         input) in one flattened forward; returns the requests whose chunk ended their sequence so far, each
-        with its sampled step (an id, or a row of every column), on the host."""
-        ids: list[int] = []
-        positions: list[int] = []
-        seqs: list[SeqSlice] = []
+        with its sampled step (an id, or a row of every column), on the host. A guided request's unconditioned
+        row runs the same positions as a sequence of its own."""
+        batch = FlatBatch()
         sample_rows: list[int] = []
         sampled: list[Request] = []
-        feature_rows: list[int] = []
-        feature_vectors: list[torch.Tensor] = []
+        guide_rows: list[int] = []  # the unconditioned rows' last positions, in `sampled` order of guided requests
         for r, n in plan:
             start = r.lm.num_cached
-            if n == 1:  # a decode (most rows of most steps): the last step's input
-                ids.append(r.position(start))
-                positions.append(start)
-            else:  # a prompt chunk or a resumed prefix
-                ids.extend(r.positions(start, start + n))
-                positions.extend(range(start, start + n))
-            seqs.append(SeqSlice(len(ids) - n, n, start, r.lm.pages))
-            if r.feature_positions:  # the FEATURE rows in this chunk (a recomputed prefix has them all again)
-                at = r.feature_positions
-                lo, hi = bisect.bisect_left(at, start), bisect.bisect_left(at, start + n)
-                if hi > lo:
-                    feature_rows.extend(len(ids) - n + p - start for p in at[lo:hi])
-                    feature_vectors.append(r.features[lo:hi])
+            last = batch.add(r.position, r.positions, start, n, r.lm.pages, r.feature_positions, r.features)
+            if r.guide is not None:
+                g = r.guide
+                guide_last = batch.add(lambda i: g.position(r, i), lambda a, b: g.positions(r, a, b), start, n,
+                                       g.pages, r.feature_positions, g.features)
             r.lm.num_cached += n
             # this chunk ends the sequence so far (or it is a decode) and the last step's input is in it: a
             # token comes out (a resumed request that waits for text has sampled from that position already)
             if not r.uncached and not r.lm.awaiting_input:
-                sample_rows.append(len(ids) - 1)
+                sample_rows.append(last)
                 sampled.append(r)
-        self.attention.plan(seqs)
+                if r.guide is not None:
+                    guide_rows.append(guide_last)
+        self.attention.plan(batch.seqs)
         dev = self.device
         extra = {}
-        if feature_rows:  # only batches with FEATURE rows: models without prompt features keep their signature
-            extra["features"] = PromptFeatures(torch.tensor(feature_rows, device=dev), torch.cat(feature_vectors))
+        if batch.feature_rows:  # only batches with FEATURE rows: models without prompt features keep their signature
+            extra["features"] = PromptFeatures(torch.tensor(batch.feature_rows, device=dev),
+                                               torch.cat(batch.feature_vectors))
         hidden = self.model.forward(
-            long_tensor(ids, dev), long_tensor(positions, dev), self.attention, **extra
+            long_tensor(batch.ids, dev), long_tensor(batch.positions, dev), self.attention, **extra
         )
         if not sampled:
             return []
         # a pure decode step samples every row: no gather
         rows = hidden if len(sample_rows) == len(hidden) else hidden[long_tensor(sample_rows, dev)]
-        logits, token_ids = self.model.candidate_logits(rows, [len(r.codec.codes) for r in sampled])
+        codes = [len(r.codec.codes) for r in sampled]
+        if guide_rows:
+            logits, token_ids = self._guided_logits(rows, hidden[long_tensor(guide_rows, dev)], sampled, codes)
+        else:
+            logits, token_ids = self.model.candidate_logits(rows, codes)
         early = [len(r.lm.output_ids) < r.sampling.min_tokens for r in sampled]
         if any(early) and self.model.spec.stop_ids:  # no stop before min_tokens
             logits = mask_ids(logits, token_ids, torch.tensor(self.model.spec.stop_ids, device=dev),
@@ -89,6 +88,20 @@ class ModelRunner:
         if kept is not None:
             self.penalties.append(sampled, kept, steps)
         return list(zip(sampled, steps.tolist()))  # the one host transfer of the step
+
+    def _guided_logits(self, rows: torch.Tensor, uncond_rows: torch.Tensor, sampled: list[Request],
+                       codes: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Classifier-free guidance: one head call over the conditioned and unconditioned rows, then each guided
+        request's logits become cond + cfg_weight * (cond - uncond)."""
+        guided = [i for i, r in enumerate(sampled) if r.guide is not None]
+        both, token_ids = self.model.candidate_logits(torch.cat([rows, uncond_rows]),
+                                                      codes + [codes[i] for i in guided])
+        logits, uncond = both[: len(rows)], both[len(rows):]
+        at = long_tensor(guided, self.device)
+        weight = torch.tensor([sampled[i].sampling.cfg_weight for i in guided], device=self.device)[:, None]
+        cond = logits[at]
+        logits = logits.index_copy(0, at, cond + weight * (cond - uncond))
+        return logits, None if token_ids is None else token_ids[: len(rows)]
 
     def release(self, r: Request) -> None:
         """The request samples no more (finished or ended): its penalty slot is free."""
@@ -120,6 +133,36 @@ class ModelRunner:
     def _column_vocab(self, column: int) -> int:
         spec = self.model.spec
         return spec.column_vocab[column] if spec.column_vocab else spec.geometry.vocab_size
+
+
+@dataclass
+class FlatBatch:
+    """One LM step's positions, flattened: every planned sequence's chunk one after the other."""
+
+    ids: list = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    seqs: list[SeqSlice] = field(default_factory=list)
+    feature_rows: list[int] = field(default_factory=list)
+    feature_vectors: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, position: Callable[[int], Any], positions: Callable[[int, int], list], start: int, n: int,
+            pages: list[int], feature_at: list[int], features: torch.Tensor | None) -> int:
+        """A sequence's positions [start, start + n) (their inputs from `position(i)` / `positions(a, b)`);
+        returns the flat index of its last one."""
+        if n == 1:  # a decode (most rows of most steps): the last step's input
+            self.ids.append(position(start))
+            self.positions.append(start)
+        else:  # a prompt chunk or a resumed prefix
+            self.ids.extend(positions(start, start + n))
+            self.positions.extend(range(start, start + n))
+        first = len(self.ids) - n
+        self.seqs.append(SeqSlice(first, n, start, pages))
+        if feature_at:  # the FEATURE rows in this chunk (a recomputed prefix has them all again)
+            lo, hi = bisect.bisect_left(feature_at, start), bisect.bisect_left(feature_at, start + n)
+            if hi > lo:
+                self.feature_rows.extend(first + p - start for p in feature_at[lo:hi])
+                self.feature_vectors.append(features[lo:hi])
+        return len(self.ids) - 1
 
 
 def make_attention(config: EngineConfig, model: SpeechModel, pool: KVPool):

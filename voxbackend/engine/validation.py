@@ -12,6 +12,7 @@ from voxbackend.config import EngineConfig
 from voxbackend.engine.kv_pool import KVPool
 from voxbackend.errors import InvalidRequest
 from voxbackend.models.base import FEATURE, Prompt, SpeechModel, as_prompt
+from voxbackend.request import GuideRow
 from voxbackend.sampling_params import SamplingParams
 
 
@@ -23,6 +24,7 @@ class CheckedRequest:
     conditioning: dict
     feature_positions: list[int]
     features: torch.Tensor | None  # [N, hidden] on the device, one per feature position
+    guide: GuideRow | None = None  # the unconditioned row, for sampling.cfg_weight > 0
 
 
 def feature_mask(prompt: np.ndarray) -> np.ndarray:
@@ -56,13 +58,36 @@ class RequestValidator:
         max_context = self.model.spec.geometry.max_context
         if len(ids) + params.max_tokens > max_context:
             params.max_tokens = max_context - len(ids)  # generation ends at the context ("length")
-        needed = self.pool.pages_for(len(ids) + params.max_tokens)
+        guide = self._guide(ids, params, conditioning, feature_positions)
+        rows = 1 if guide is None else 2
+        needed = self.pool.pages_for(len(ids) + params.max_tokens) * rows
         if needed > self.pool.num_pages:  # it could never run, even alone in the pool
             raise InvalidRequest(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {needed} KV pages; "
-                f"the pool has {self.pool.num_pages}", field="max_tokens"
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens})" + (" on two rows (guidance)"
+                if guide else "") + f" needs {needed} KV pages; the pool has {self.pool.num_pages}", field="max_tokens"
             )
-        return CheckedRequest(ids, params, track, conditioning, feature_positions, features)
+        return CheckedRequest(ids, params, track, conditioning, feature_positions, features, guide)
+
+    def _guide(self, ids: list, params: SamplingParams, conditioning: dict,
+               feature_positions: list[int]) -> GuideRow | None:
+        """The unconditioned row of a request with cfg_weight > 0 (refused for a model without guidance)."""
+        if params.cfg_weight == 0:
+            return None
+        if not self.model.spec.guidance:
+            raise InvalidRequest(f"cfg_weight: {self.model.spec.name} has no classifier-free guidance (send 0)",
+                                 field="cfg_weight")
+        prompt = self.model.unconditioned_prompt(ids)
+        mask = feature_mask(np.asarray(ids))
+        same_rows = len(prompt) == len(ids) and (feature_mask(np.asarray(prompt)) == mask).all()
+        if not same_rows:
+            raise ValueError(f"{self.model.spec.name}: the unconditioned prompt must have the prompt's positions")
+        features = self.model.unconditioned_features(conditioning)
+        if (0 if features is None else len(features)) != len(feature_positions):
+            raise InvalidRequest(f"the unconditioned row has {0 if features is None else len(features)} feature "
+                                 f"vectors for {len(feature_positions)} feature rows", field="prompt_ids")
+        vectors = None if features is None else torch.as_tensor(
+            np.asarray(features, dtype=np.float32), device=self.config.device).to(self.config.torch_dtype)
+        return GuideRow(prompt, vectors)
 
     def _check_prompt(self, prompt_ids, text_open: bool) -> tuple[list[int] | list[list[int]], object]:
         """Ids [L] for one-column models, rows [L, token_columns] (-1 = no entry) for multi-column ones; the

@@ -9,7 +9,9 @@ several positions after a step, hold the first sample, and set per-request logit
 bistream: `next_inputs`, `waits_for_input`, `constrain_logits`, `ends`). A prompt position whose input is a vector
 rather than ids (Qwen3-TTS Base: the x-vector speaker embedding; speech-to-speech models: audio-encoder features)
 is a FEATURE row: the model returns the request's vectors from its conditioning (`prompt_features`), and `forward`
-receives them at those rows of the flattened batch (`features`).
+receives them at those rows of the flattened batch (`features`). A model with classifier-free guidance (Chatterbox;
+`ModelSpec.guidance`) gives the unconditioned row's prompt (`unconditioned_prompt`, `unconditioned_features`); the
+engine runs both rows of a request together and combines their logits.
 """
 from __future__ import annotations
 
@@ -73,6 +75,10 @@ class ModelSpec:
     # the columns the repetition penalty looks at (None: all) and whether it counts prompt ids or generated ones only
     penalty_columns: tuple[int, ...] | None = None
     penalty_on_prompt: bool = True
+    # classifier-free guidance: a request with sampling.cfg_weight > 0 runs a second, unconditioned LM row (its
+    # prompt from unconditioned_prompt / unconditioned_features; its generated inputs the same) that steps with
+    # the first; each step samples from cond + cfg_weight * (cond - uncond). Models without it refuse cfg_weight.
+    guidance: bool = False
 
 
 @dataclass
@@ -226,6 +232,15 @@ class SpeechModel:
         """The vectors of a request's FEATURE prompt rows, [N, hidden] in prompt order, from its checked conditioning;
         None: the model takes none. Raises InvalidRequest naming the field. Runs at submission."""
         return None
+
+    def unconditioned_prompt(self, prompt: list) -> list:
+        """spec.guidance: the unconditioned row's prompt positions, one per position of the checked prompt (after
+        split_prompt; FEATURE rows where the prompt has them). By default the same."""
+        return prompt
+
+    def unconditioned_features(self, conditioning: dict[str, np.ndarray]) -> np.ndarray | None:
+        """spec.guidance: the vectors of the unconditioned row's FEATURE rows. By default prompt_features'."""
+        return self.prompt_features(conditioning)
 
     def default_sampling(self) -> SamplingParams:
         return SamplingParams()

@@ -24,6 +24,7 @@ SAMPLING_FIELDS = {
     "MAX_TOKENS": "max_tokens",
     "MIN_TOKENS": "min_tokens",
     "SEED": "seed",
+    "CFG_WEIGHT": "cfg_weight",
 }
 
 _SAMPLING_SPECS = (
@@ -35,6 +36,9 @@ _SAMPLING_SPECS = (
     TensorSpec("MAX_TOKENS", "INT32", optional=True, doc="LM steps, >= 1"),
     TensorSpec("MIN_TOKENS", "INT32", optional=True, doc="LM steps before the model may stop, >= 0"),
     TensorSpec("SEED", "INT64", optional=True, doc="[0, 2^31-1]; random when absent"),
+    TensorSpec("CFG_WEIGHT", "FP32", optional=True,
+               doc="classifier-free guidance weight in [0, 10]; 0 = off; only models with guidance (Chatterbox) "
+                   "take a non-zero one"),
 )
 _FORMAT_SPEC = TensorSpec("AUDIO_FORMAT", "STRING", optional=True, doc='"pcm16" (default) or "fp32"')
 
