@@ -38,3 +38,27 @@ def load_t3() -> types.SimpleNamespace:
         from chatterbox.models.t3.modules import cond_enc, t3_config
     return types.SimpleNamespace(t3=t3, T3=t3.T3, T3Config=t3_config.T3Config, T3Cond=cond_enc.T3Cond,
                                  LLAMA_CONFIGS=llama_configs.LLAMA_CONFIGS)
+
+
+def upstream_t3(llama_config: dict, weights: dict):
+    """(the T3 namespace of load_t3, an upstream T3 over `llama_config` with `weights` loaded strictly). Upstream's
+    Perceiver hard-codes width 1024: it is built at the backbone's width (a functools.partial; 32 queries and 4 heads
+    kept), and the backbone entry is added to LLAMA_CONFIGS for the build only."""
+    import functools
+
+    name = "Llama_tiny_test"
+    oracle = load_t3()
+    cond_enc = sys.modules[oracle.T3Cond.__module__]
+    width = llama_config["hidden_size"]
+    perceiver = cond_enc.Perceiver
+    oracle.LLAMA_CONFIGS[name] = llama_config
+    cond_enc.Perceiver = functools.partial(perceiver, pre_attention_query_size=width, embedding_dim=width)
+    try:
+        hp = oracle.T3Config()
+        hp.llama_config_name = name
+        t3 = oracle.T3(hp).eval()
+    finally:
+        cond_enc.Perceiver = perceiver
+        del oracle.LLAMA_CONFIGS[name]
+    t3.load_state_dict(weights)  # strict: names and shapes must be upstream's
+    return oracle, t3
