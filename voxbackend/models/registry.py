@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable
 from voxbackend.models import token_lm
 from voxbackend.models.base import SpeechModel
 from voxbackend.models.checkpoint import read_config
+from voxbackend.models.chatterbox import model as chatterbox
 from voxbackend.models.cosyvoice2 import model as cosyvoice2
 from voxbackend.models.csm import model as csm
 from voxbackend.models.orpheus import model as orpheus
@@ -76,6 +77,14 @@ KINDS: dict[str, ModelKind] = {k.name: k for k in (
         model=cosyvoice2.CosyVoice2, frontend=cosyvoice2.CosyVoice2Frontend,
         tiny_checkpoint="voxbackend.models.cosyvoice2.tiny:ensure_default_cosyvoice2",
         served="CosyVoice2-0.5B (Qwen2 LM, flow matching + HiFT 24 kHz, zero-shot voice cloning)",
+    ),
+    ModelKind(
+        # frontend: tokenizer, voices and (on the first clip) the voice encoder, S3 tokenizer and CAMPPlus
+        name="chatterbox", detect=lambda hf: False, detect_folder=chatterbox.is_chatterbox_folder,
+        model=chatterbox.Chatterbox, frontend=chatterbox.ChatterboxFrontend,
+        tiny_checkpoint="voxbackend.models.chatterbox.tiny:ensure_default_chatterbox",
+        served="Chatterbox (Llama T3 LM with classifier-free guidance, S3Gen flow matching + HiFT 24 kHz, voice "
+               "cloning)",
     ),
     ModelKind(name="token_lm", detect=token_lm.is_token_lm_config, model=token_lm.TokenLM),
 )}
