@@ -92,7 +92,8 @@ def test_detection_with_and_without_architectures(tmp_path, config, kind):
 
 
 def test_unsupported_configs_are_refused_clearly(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}))
+    neox = {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}
+    (tmp_path / "config.json").write_text(json.dumps(neox))
     with pytest.raises(ValueError, match="unsupported architecture .*GPTNeoXForCausalLM"):
         registry.detect_kind(tmp_path)
     with pytest.raises(ValueError, match="unknown model kind 'nope'"):

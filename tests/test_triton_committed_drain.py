@@ -1,7 +1,7 @@
 """Last on the run's shared committed-repository server (tests/conftest.py): docker stop / Kubernetes while every
 family streams. SIGTERM once each open stream has had its first audio; the streams through each family's front
-model and engine model (CosyVoice2's with a cloned voice) finish with the whole audio they would have had, and
-tritonserver exits 0 within the drain grace period."""
+model and engine model (CosyVoice2's and Chatterbox's with a cloned voice) finish with the whole audio they would
+have had, and tritonserver exits 0 within the drain grace period."""
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 
+from tests import test_triton_chatterbox as chatterbox
 from tests import test_triton_cosyvoice2 as cosyvoice2
 from tests import test_triton_csm as csm
 from tests import test_triton_qwen3_tts as qwen3_tts
@@ -17,11 +18,12 @@ from tests.triton_util import COMMITTED, assert_matches, drain_streams
 pytestmark = [pytest.mark.xdist_group(COMMITTED), pytest.mark.stops_committed_server]
 
 # (family module, the first three cases at these lengths, their models); shorter than each family's own tests
-# would need: nine streams of three engines share the 2 cores and the 15 s grace period (drain_grace_s)
+# would need: twelve streams of four engines share the 2 cores and the 15 s grace period (drain_grace_s)
 DRAINED = [
     (csm, 40, ["csm", "csm", "csm_engine"]),
     (qwen3_tts, 75, ["qwen3_tts", "qwen3_tts", "qwen3_tts_engine"]),
     (cosyvoice2, 90, ["cosyvoice2", "cosyvoice2_engine", "cosyvoice2"]),
+    (chatterbox, 60, ["chatterbox", "chatterbox_engine", "chatterbox"]),
 ]
 
 
@@ -34,7 +36,7 @@ def test_sigterm_lets_every_familys_open_streams_finish_with_their_whole_audio_a
         for i, ((family, case, model), out) in enumerate(zip(streams, outs)):
             expected = references[family](case)
             what = f"drained stream {i} ({model})"
-            if family is cosyvoice2:
-                cosyvoice2.assert_nonempty_match(out, expected, case.fmt, what)
+            if family in (cosyvoice2, chatterbox):
+                family.assert_nonempty_match(out, expected, case.fmt, what)
             else:
                 assert_matches(out, expected, case.fmt, what, family.RATE)
