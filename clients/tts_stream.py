@@ -68,19 +68,21 @@ def add_request_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--min-p", type=float)
     ap.add_argument("--repetition-penalty", type=float)
     ap.add_argument("--max-tokens", type=int)
+    ap.add_argument("--cfg-weight", type=float, help="chatterbox: classifier-free guidance weight, [0, 10]; 0 = off")
+    ap.add_argument("--exaggeration", type=float, help="chatterbox: emotion exaggeration, [0, 2]")
 
 
 def sampling_fields(a: argparse.Namespace) -> dict[str, float | int | None]:
     """The sampling flags as request fields (None: the model's default)."""
     return {"TEMPERATURE": a.temperature, "TOP_P": a.top_p, "TOP_K": a.top_k, "MIN_P": a.min_p,
-            "REPETITION_PENALTY": a.repetition_penalty}
+            "REPETITION_PENALTY": a.repetition_penalty, "CFG_WEIGHT": a.cfg_weight}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address")
     ap.add_argument("--model", default="orpheus",
-                    help="orpheus, csm, qwen3_tts or cosyvoice2, or orpheus_engine / csm_engine")
+                    help="orpheus, csm, qwen3_tts, cosyvoice2 or chatterbox, or orpheus_engine / csm_engine")
     ap.add_argument("--text", default="Hello there, this is a streaming speech server.")
     ap.add_argument("--text-pieces", default=None,
                     help='the text in pieces, "piece1|piece2|..." (a <model>_text_stream model): one Triton sequence')
@@ -106,13 +108,13 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("give --text-pieces or --stdin, not both")
         options = make_inputs(None, a.voice, a.format, speaker=a.speaker, context=context, batched=True,
                               reference_audio=reference, reference_text=a.reference_text,
-                              **sampling_fields(a), MAX_TOKENS=a.max_tokens, SEED=a.seed)
+                              exaggeration=a.exaggeration, **sampling_fields(a), MAX_TOKENS=a.max_tokens, SEED=a.seed)
         pieces = stdin_pieces() if a.stdin else a.text_pieces.split("|")
         out = stream_text_pieces(a.url, a.model, pieces, options, a.format, a.piece_delay, a.timeout)
     else:
         inputs = make_inputs(a.text, a.voice, a.format, speaker=a.speaker, context=context,
                              reference_audio=reference, reference_text=a.reference_text,
-                             **sampling_fields(a), MAX_TOKENS=a.max_tokens, SEED=a.seed)
+                             exaggeration=a.exaggeration, **sampling_fields(a), MAX_TOKENS=a.max_tokens, SEED=a.seed)
         out = stream_request(a.url, a.model, inputs, a.format, a.timeout)
     print(report(out) + (" | TTFA from the first piece" if a.text_pieces is not None or a.stdin else ""))
     for message in out.piece_errors:

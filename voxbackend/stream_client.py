@@ -38,12 +38,14 @@ def context_fields(texts: list[str], audio: list[bytes | np.ndarray | str | Path
 def make_inputs(text: str | bytes | None, voice: str | None = None, audio_format: str | None = None, *,
                 speaker: int | None = None, context: dict[str, list] | None = None,
                 context_sample_rate: int | None = None, reference_audio: bytes | str | Path | None = None,
-                reference_text: str | None = None, batched: bool = False, **sampling) -> list:
+                reference_text: str | None = None, exaggeration: float | None = None, batched: bool = False,
+                **sampling) -> list:
     """Request tensors by name; sampling keys are the tensor names (TEMPERATURE=0.6, SEED=7, ...).
 
     CSM: `speaker`, and `context` as made by context_fields; CONTEXT_AUDIO items are file bytes, or float32
     arrays sent as raw samples at `context_sample_rate`. Voice cloning (CosyVoice2, Qwen3-TTS Base):
-    `reference_audio` (file bytes or a path) and its transcript `reference_text`. batched: with a leading batch
+    `reference_audio` (file bytes or a path) and its transcript `reference_text` (Chatterbox: the clip alone, and
+    `exaggeration`). batched: with a leading batch
     dimension of 1, for a model with max_batch_size > 0 (`<model>_text_stream`).
     """
     import tritonclient.grpc as grpcclient
@@ -76,6 +78,8 @@ def make_inputs(text: str | bytes | None, voice: str | None = None, audio_format
         inputs.append(text_tensor("REFERENCE_AUDIO", clip))
     if reference_text is not None:
         inputs.append(text_tensor("REFERENCE_TEXT", reference_text))
+    if exaggeration is not None:
+        inputs.append(tensor("EXAGGERATION", np.array([exaggeration], dtype=np.float32), "FP32"))
     if audio_format:
         inputs.append(text_tensor("AUDIO_FORMAT", audio_format))
     for name, value in sampling.items():
