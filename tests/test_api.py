@@ -196,6 +196,8 @@ def test_compressed_formats_decode_to_the_same_length(service, client, response_
     ({"speed": 1.5}, "speed"),
     ({"response_format": "aac"}, "response_format"),
     ({"instructions": "whisper"}, "instructions"),
+    ({"extra_body": {"cfg_weight": 0.5}}, "cfg_weight"),  # Orpheus has no guidance: the engine refuses it
+    ({"extra_body": {"exaggeration": 0.7}}, "exaggeration"),  # no EXAGGERATION input: the API refuses it
 ])
 def test_bad_input_gets_an_openai_error_naming_the_field(service, client, fields, param):
     request = {"model": "orpheus", "voice": "tara", "input": "Hello there.", **fields}
@@ -217,6 +219,7 @@ def test_models_and_voices_come_from_the_server(service, client):
     assert list(models) == ["orpheus"]  # the front model; the preprocess and engine it calls are not listed
     info = models["orpheus"].model_dump()
     assert info["engine"] == "orpheus" and info["sample_rate"] == RATE and info["voices"] == list(VOICES)
+    assert info["guidance"] is False  # no cfg_weight but 0
     voices = get_json(service["api"] + "/v1/audio/voices")
     assert [v["voice_id"] for v in voices["voices"] if v["model"] == "orpheus"] == list(VOICES)
 
@@ -338,6 +341,8 @@ def test_server_down_is_503(tmp_path):
     ("in ensemble 'orpheus', InvalidRequest: TOP_P must be in (0, 1], got 0.0", 400, "top_p", "invalid_value"),
     ("InvalidRequest: unknown voice 'bob'; choose one of tara, leo", 400, "voice", "invalid_value"),
     ("InvalidRequest: SPEAKER must be in [0, 10), got 12", 400, "voice", "invalid_value"),
+    ("InvalidRequest: CFG_WEIGHT must be in [0, 10] (0 = no guidance), got -0.5", 400, "cfg_weight", "invalid_value"),
+    ("InvalidRequest: EXAGGERATION must be in [0, 2], got 2.5", 400, "exaggeration", "invalid_value"),
     ("InvalidRequest: prompt is 2205 positions (text and context audio); the model's context is 2048", 400, "input",
      "invalid_value"),
     ("EngineOverloaded: overloaded: 257 requests are queued (max_queue)", 429, None, "engine_overloaded"),
@@ -374,6 +379,51 @@ def test_voice_goes_to_the_models_own_voice_input():
     model, voice = SynthesisOptions(model="orpheus", voice={"id": "leo"}).resolve(models)
     assert {t.name() for t in speech_inputs("Hi.", model.voice_input, voice, {})} == {"TEXT", "VOICE", "AUDIO_FORMAT"}
     assert SynthesisOptions().resolve(models)[0].name == "csm"  # the WebSocket's default: the first by name
+
+
+def test_chatterbox_fields_go_to_its_tensors():
+    """cfg_weight is a sampling tensor (CFG_WEIGHT); exaggeration goes to the models whose config lists EXAGGERATION
+    and is refused for the others; no voice sends no VOICE (Chatterbox's built-in voice)."""
+    from voxbackend.api.catalog import SpeechModel
+    from voxbackend.api.requests import SynthesisOptions
+    from voxbackend.api.triton_stream import speech_inputs
+
+    models = {"chatterbox": SpeechModel("chatterbox", "chatterbox", "chatterbox_preprocess",
+                                        ("TEXT", "VOICE", "REFERENCE_AUDIO", "EXAGGERATION", "CFG_WEIGHT")),
+              "orpheus": SpeechModel("orpheus", "orpheus", "orpheus_preprocess", ("TEXT", "VOICE", "CFG_WEIGHT"))}
+    options = SynthesisOptions(model="chatterbox", exaggeration=0.9, cfg_weight=0.0)
+    model, voice = options.resolve(models)
+    assert voice is None
+    tensors = {t.name(): t for t in speech_inputs("Hi.", model.voice_input, voice, options.sampling(),
+                                                  options.model_inputs(model))}
+    assert set(tensors) == {"TEXT", "AUDIO_FORMAT", "CFG_WEIGHT", "EXAGGERATION"}
+    assert tensors["EXAGGERATION"].datatype() == "FP32"
+    assert np.frombuffer(tensors["EXAGGERATION"]._get_content(), "<f4").tolist() == [np.float32(0.9)]
+    model, voice = SynthesisOptions(model="chatterbox", voice="narrator").resolve(models)
+    assert voice == "narrator" and model.voice_input == "VOICE"
+    with pytest.raises(api_errors.ApiError) as e:
+        SynthesisOptions(model="orpheus", exaggeration=0.9).resolve(models)
+    assert (e.value.param, e.value.code) == ("exaggeration", "unsupported_value")
+
+
+def test_chatterbox_front_end_lists_its_stored_voices(tmp_path):
+    """/v1/models' voices, rate and guidance come from the front end: the tiny checkpoint with one stored voice."""
+    from voxbackend.api.catalog import SpeechModel, ask_frontends
+    from voxbackend.models.chatterbox.tiny import ensure_default_chatterbox
+    from voxbackend.models.chatterbox.voice import ChatterboxVoice
+
+    built, _ = ensure_default_chatterbox()  # the run's cached build
+    folder = tmp_path / "chatterbox"
+    folder.mkdir()
+    for f in built.iterdir():
+        (folder / f.name).symlink_to(f)
+    (folder / "voices").mkdir()
+    ChatterboxVoice.from_conds(built / "conds.pt").save(folder / "voices" / "narrator.safetensors")
+    info = ask_frontends({"chatterbox": {"checkpoint": str(folder)}}, timeout=300)
+    assert info == {"chatterbox": {"voices": ["narrator"], "sample_rate": RATE, "guidance": True}}
+    model = SpeechModel("chatterbox", "chatterbox", "chatterbox_preprocess", ("TEXT", "VOICE", "EXAGGERATION"),
+                        voices=tuple(info["chatterbox"]["voices"]), guidance=True)
+    assert model.describe()["voices"] == ["narrator"] and model.describe()["voice_kind"] == "name"
 
 
 def test_health_is_503_when_an_engine_died(monkeypatch):
@@ -438,7 +488,9 @@ def test_page_plays_a_stream_in_headless_chromium(service, tmp_path):
         page.get(service["api"] + "/")
         until(lambda: page.execute_script("return document.getElementById('model').options.length") > 0, 30)
         assert page.execute_script(
-            "return [...document.getElementById('voice').options].map(o => o.value)") == list(VOICES)
+            "return [...document.getElementById('voice').options].map(o => o.value)") == ["", *VOICES]
+        assert not page.find_element(By.ID, "exaggeration").is_displayed()  # Orpheus takes neither
+        assert not page.find_element(By.ID, "cfg-weight").is_displayed()
         max_tokens = page.find_element(By.ID, "max-tokens")
         max_tokens.clear()
         max_tokens.send_keys("210")
@@ -458,6 +510,19 @@ def test_page_plays_a_stream_in_headless_chromium(service, tmp_path):
         assert page.find_element(By.ID, "ttfa").text.endswith(" ms")
         until(lambda: "orpheus (orpheus)" in page.find_element(By.ID, "gauges").text, 10)
         assert shot.stat().st_size > 10_000
+        # a Chatterbox as /v1/models describes it: its built-in voice is "(default)", its own controls appear
+        page.execute_script("""
+            models.chatterbox = {id: "chatterbox", voices: ["narrator"], voice_kind: "name", guidance: true,
+                                 inputs: ["TEXT", "VOICE", "REFERENCE_AUDIO", "EXAGGERATION", "CFG_WEIGHT"]};
+            $("model").insertAdjacentHTML("beforeend", "<option>chatterbox</option>");
+            $("model").value = "chatterbox";
+            $("model").dispatchEvent(new Event("change"));""")
+        assert page.execute_script(
+            "return [...document.getElementById('voice').options].map(o => o.value)") == ["", "narrator"]
+        page.find_element(By.ID, "exaggeration").send_keys("0.8")
+        page.find_element(By.ID, "cfg-weight").send_keys("0")
+        assert page.execute_script("return requestFields()") == {
+            "model": "chatterbox", "seed": 7, "max_tokens": 210, "exaggeration": 0.8, "cfg_weight": 0}
     finally:
         page.quit()
 

@@ -4,7 +4,7 @@ It talks to tritonserver only (gRPC streaming for audio, its metrics port for ga
 
     POST /v1/audio/speech          OpenAI fields + sampling extras -> audio streamed as it is produced
     GET  /v1/audio/voices          each served model's voices
-    GET  /v1/models                the served speech models (OpenAI list shape, plus voices and sample rate)
+    GET  /v1/models                the served speech models (OpenAI list shape, plus voices, sample rate, guidance)
     WS   /v1/audio/speech/stream   text pieces in, PCM16 audio frames out (speech_socket.py)
     GET  /v1/stats                 the engines' gauges (active streams, queue, KV pages, alive) as JSON
     GET  /health                   200 when Triton is ready and every engine is alive, else 503
@@ -63,7 +63,7 @@ def create_app(triton_url: str, metrics_url: str | None = None, prefetch_voices:
         model, voice = body.resolve(await catalog.models())
         encoder = AudioEncoder(body.response_format)
         stream = SpeechStream(triton_url, model.name, speech_inputs(body.input, model.voice_input, voice,
-                                                                    body.sampling()))
+                                                                    body.sampling(), body.model_inputs(model)))
         try:
             first = await stream.next()  # errors before any audio get a proper status (400, 429, 503)
         except BaseException:

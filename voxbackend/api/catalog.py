@@ -29,8 +29,9 @@ class SpeechModel:
     preprocess: str | None
     inputs: tuple[str, ...]
     parameters: dict[str, str] = field(default_factory=dict)  # the preprocess step's (front end location)
-    voices: tuple[str, ...] = ()
+    voices: tuple[str, ...] = ()  # named voices; a request without one gets the model's default (maybe unnamed)
     sample_rate: int | None = None
+    guidance: bool = False  # takes a non-zero cfg_weight (classifier-free guidance)
     info_error: str | None = None  # why the front end could not be asked
 
     @property
@@ -40,7 +41,8 @@ class SpeechModel:
     def describe(self) -> dict:
         return {"id": self.name, "object": "model", "created": 0, "owned_by": "voxbackend", "engine": self.engine,
                 "voices": list(self.voices), "voice_kind": {"VOICE": "name", "SPEAKER": "speaker_id"}.get(
-                    self.voice_input), "sample_rate": self.sample_rate, "inputs": list(self.inputs),
+                    self.voice_input), "sample_rate": self.sample_rate, "guidance": self.guidance,
+                "inputs": list(self.inputs),
                 **({"info_error": self.info_error} if self.info_error else {})}
 
 
@@ -77,7 +79,8 @@ def read_models(url: str, timeout: float = 10.0) -> list[SpeechModel]:
 
 
 def ask_frontends(parameters: dict[str, dict[str, str]], timeout: float = 600.0) -> dict[str, dict]:
-    """Model name -> {"voices", "sample_rate"} (or {"error"}), from each front end, in a child interpreter."""
+    """Model name -> {"voices", "sample_rate", "guidance"} (or {"error"}), from each front end, in a child
+    interpreter."""
     done = subprocess.run([sys.executable, "-m", "voxbackend.api.frontend_info"], input=json.dumps(parameters),
                           capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
@@ -147,4 +150,5 @@ class Catalog:
         if info:
             m.voices = tuple(info.get("voices", ()))
             m.sample_rate = info.get("sample_rate")
+            m.guidance = bool(info.get("guidance", False))
             m.info_error = info.get("error")

@@ -17,6 +17,7 @@ TENSOR_PARAMS = {
     "AUDIO_FORMAT": "response_format",
     "TEMPERATURE": "temperature", "TOP_P": "top_p", "TOP_K": "top_k", "MIN_P": "min_p",
     "REPETITION_PENALTY": "repetition_penalty", "MAX_TOKENS": "max_tokens", "SEED": "seed",
+    "CFG_WEIGHT": "cfg_weight", "EXAGGERATION": "exaggeration",
 }
 _ENGINE_FAILED = re.compile(r"\bengine (step )?failed|\bengine stopped|model is being unloaded")
 _NAME = re.compile(r"\b(" + "|".join(sorted(TENSOR_PARAMS, key=len, reverse=True)) + r")\b")

@@ -1,7 +1,7 @@
 """Child process of the API: each model's voices and sample rate, from its front end.
 
 stdin: JSON {model name: its preprocess config parameters}; stdout (last line): JSON {model name: {"voices",
-"sample_rate"} or {"error"}}. A child, so the API process never imports torch or loads a tokenizer.
+"sample_rate", "guidance"} or {"error"}}. A child, so the API process never imports torch or loads a tokenizer.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ def main() -> int:
     for name, params in json.loads(sys.stdin.read()).items():
         try:
             frontend = load_frontend(params)
-            answers[name] = {"voices": list(frontend.voices), "sample_rate": int(frontend.spec.sample_rate)}
+            answers[name] = {"voices": list(frontend.voices), "sample_rate": int(frontend.spec.sample_rate),
+                             "guidance": bool(frontend.spec.guidance)}
         except Exception as e:  # one model's failure must not hide the others' voices
             answers[name] = {"error": f"{type(e).__name__}: {e}"}
     print(json.dumps(answers))

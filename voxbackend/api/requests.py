@@ -15,7 +15,11 @@ Int64 = Annotated[int, Field(ge=-2**63, lt=2**63)]
 
 # API field -> request tensor; the engine validates the ranges and its errors name the tensor (errors.py).
 SAMPLING_TENSORS = {"temperature": "TEMPERATURE", "top_p": "TOP_P", "top_k": "TOP_K", "min_p": "MIN_P",
-                    "repetition_penalty": "REPETITION_PENALTY", "max_tokens": "MAX_TOKENS", "seed": "SEED"}
+                    "repetition_penalty": "REPETITION_PENALTY", "max_tokens": "MAX_TOKENS", "seed": "SEED",
+                    "cfg_weight": "CFG_WEIGHT"}
+# API field -> a model's own FP32 input (Chatterbox's EXAGGERATION): sent to the models that take it (their config
+# lists it), refused for the others
+MODEL_TENSORS = {"exaggeration": "EXAGGERATION"}
 
 
 class VoiceRef(BaseModel):
@@ -38,13 +42,24 @@ class SynthesisOptions(BaseModel):
     repetition_penalty: float | None = None
     max_tokens: Int32 | None = None
     seed: Int64 | None = None
+    cfg_weight: float | None = None  # classifier-free guidance (Chatterbox); other models take only 0
+    exaggeration: float | None = None  # a model input (MODEL_TENSORS)
 
     def sampling(self) -> dict[str, float | int]:
         return {tensor: getattr(self, field) for field, tensor in SAMPLING_TENSORS.items()
                 if getattr(self, field) is not None}
 
+    def model_inputs(self, model: SpeechModel) -> dict[str, float]:
+        """The model's own inputs given (tensor -> value); one the model does not take is a 400 naming the field."""
+        given = {field: getattr(self, field) for field in MODEL_TENSORS if getattr(self, field) is not None}
+        for field in given:
+            if MODEL_TENSORS[field] not in model.inputs:
+                raise bad_request(f"model {model.name!r} takes no {field}", field, "unsupported_value")
+        return {MODEL_TENSORS[field]: value for field, value in given.items()}
+
     def resolve(self, models: dict[str, SpeechModel]) -> tuple[SpeechModel, str | int | None]:
-        """The served model and the value for its voice input (a name, or a speaker id)."""
+        """The served model and the value for its voice input (a name, a speaker id, or None: the model's default
+        voice, which may have no name: Chatterbox's built-in one). Fields the model does not take fail here."""
         if self.model is None:
             if not models:
                 raise unknown_model("(default)", [])
@@ -53,6 +68,7 @@ class SynthesisOptions(BaseModel):
             raise unknown_model(self.model, sorted(models))
         else:
             model = models[self.model]
+        self.model_inputs(model)
         voice = self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
         if voice is None or voice == "":
             return model, None

@@ -145,8 +145,8 @@ class SpeechSocket:
 
     async def _open(self, text: str) -> Sentence:
         model, voice = self.options.resolve(await self.catalog.models())
-        stream = SpeechStream(self.triton_url, model.name, speech_inputs(text, model.voice_input, voice,
-                                                                         self.options.sampling()))
+        stream = SpeechStream(self.triton_url, model.name, speech_inputs(
+            text, model.voice_input, voice, self.options.sampling(), self.options.model_inputs(model)))
         self.open.add(stream)
         now = time.monotonic()
         self.stats.first_request = self.stats.first_request or now

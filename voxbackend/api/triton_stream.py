@@ -11,6 +11,7 @@ import itertools
 from dataclasses import dataclass
 
 import anyio
+import numpy as np
 
 from voxbackend.stream_client import StreamCall, is_triton_final, make_inputs, response_scalar
 from voxbackend.api.errors import from_triton
@@ -75,9 +76,17 @@ class SpeechStream:
                 await anyio.to_thread.run_sync(call.close, not self.done)
 
 
-def speech_inputs(text: str, voice_input: str | None, voice: str | int | None, sampling: dict) -> list:
+def speech_inputs(text: str, voice_input: str | None, voice: str | int | None, sampling: dict,
+                  model_inputs: dict[str, float] | None = None) -> list:
     """Request tensors for the front model: TEXT, the model's voice input (VOICE name or SPEAKER id), PCM16 audio,
-    and the sampling fields given (tensor name -> value)."""
-    return make_inputs(text, voice if voice_input == "VOICE" else None, "pcm16",
-                       speaker=voice if voice_input == "SPEAKER" else None, **sampling)
+    the sampling fields given (tensor name -> value) and the model's own FP32 inputs given (EXAGGERATION)."""
+    import tritonclient.grpc as grpcclient
+
+    inputs = make_inputs(text, voice if voice_input == "VOICE" else None, "pcm16",
+                         speaker=voice if voice_input == "SPEAKER" else None, **sampling)
+    for name, value in (model_inputs or {}).items():
+        tensor = grpcclient.InferInput(name, [1], "FP32")
+        tensor.set_data_from_numpy(np.array([value], dtype=np.float32))
+        inputs.append(tensor)
+    return inputs
 

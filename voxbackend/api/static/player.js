@@ -23,20 +23,24 @@ async function loadModels() {
     if (!r.ok) throw new Error(body.error ? body.error.message : r.statusText);
     models = Object.fromEntries(body.data.map((m) => [m.id, m]));
     $("model").innerHTML = body.data.map((m) => `<option>${m.id}</option>`).join("");
-    showVoices();
+    showModel();
     setStatus("idle");
   } catch (e) {
     setStatus("no models: " + e.message);
   }
 }
 
-function showVoices() {
+// The model's controls: its voices (first "(default)": no voice sent, the model's own, which may have no name,
+// as Chatterbox's built-in one), and the inputs only some models take.
+function showModel() {
   const m = models[$("model").value] || {};
   const voices = m.voices || [];
   const byId = m.voice_kind === "speaker_id";
   $("voice").hidden = byId;
   $("voice-id").hidden = !byId;
-  $("voice").innerHTML = voices.map((v) => `<option>${v}</option>`).join("") || "<option value=''>(default)</option>";
+  $("voice").innerHTML = "<option value=''>(default)</option>" + voices.map((v) => `<option>${v}</option>`).join("");
+  $("exaggeration-control").hidden = !(m.inputs || []).includes("EXAGGERATION");
+  $("cfg-control").hidden = !m.guidance;
 }
 
 function ensureAudio() {
@@ -112,6 +116,10 @@ function requestFields() {
   if (voice !== "") fields.voice = voice;
   if ($("seed").value !== "") fields.seed = parseInt($("seed").value, 10);
   if ($("max-tokens").value !== "") fields.max_tokens = parseInt($("max-tokens").value, 10);
+  if (!$("exaggeration-control").hidden && $("exaggeration").value !== "") {
+    fields.exaggeration = parseFloat($("exaggeration").value);
+  }
+  if (!$("cfg-control").hidden && $("cfg-weight").value !== "") fields.cfg_weight = parseFloat($("cfg-weight").value);
   return fields;
 }
 
@@ -245,7 +253,7 @@ async function pollGauges() {
   setTimeout(pollGauges, 500);
 }
 
-$("model").addEventListener("change", showVoices);
+$("model").addEventListener("change", showModel);
 $("play").addEventListener("click", play);
 $("stop").addEventListener("click", stop);
 loadModels();
