@@ -432,11 +432,12 @@ def internals_lines(title: str, internals: dict[str, tuple[float, int]], wall: f
 def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__, epilog=METHOD,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="orpheus", choices=["orpheus", "csm", "qwen3_tts", "cosyvoice2"],
+    ap.add_argument("--model", default="orpheus", choices=["orpheus", "csm", "qwen3_tts", "cosyvoice2", "chatterbox"],
                     help="csm: perf/csm_bench.py (tiny CSM vs transformers generate + Mimi); qwen3_tts: "
                          "perf/qwen3_tts_bench.py (tiny Qwen3-TTS vs the reference generate + decode); for both "
                          "--max-tokens = frames; cosyvoice2: perf/cosyvoice2_bench.py (tiny CosyVoice2 vs the "
-                         "upstream LM + tts(stream=False)), --max-tokens caps its 25 Hz speech tokens")
+                         "upstream LM + tts(stream=False)), --max-tokens caps its 25 Hz speech tokens; chatterbox: "
+                         "perf/chatterbox_bench.py (tiny Chatterbox vs upstream T3.inference + S3Gen), the same cap")
     ap.add_argument("--size", default="bench", choices=["bench", "tiny", "quick"],
                     help="checkpoint size: voxbackend.models.orpheus.tiny SIZES, or 'quick' (smoke test)")
     ap.add_argument("--streams", default="1,8,32", help="comma-separated concurrent stream counts")
@@ -471,7 +472,7 @@ def parse_args(argv: list[str] | None):
         args.single_rounds = 1 if args.single_rounds == 3 else args.single_rounds
     if args.model in ("csm", "qwen3_tts"):  # frames of 80 ms: ~3 s (the Orpheus default's audio), ~1 s quick
         args.max_tokens = {256: 38, 42: 12}.get(args.max_tokens, args.max_tokens)
-    if args.model == "cosyvoice2":  # 25 Hz tokens: the reference's own length rules, capped at ~6 s (~1.2 s quick)
+    if args.model in ("cosyvoice2", "chatterbox"):  # 25 Hz tokens, capped at ~6 s (~1.2 s quick)
         args.max_tokens = {256: 150, 42: 30}.get(args.max_tokens, args.max_tokens)
     args.stream_counts = sorted({int(s) for s in str(args.streams).split(",") if s.strip()})
     if not args.stream_counts or min(args.stream_counts) < 1:
@@ -499,6 +500,10 @@ def main(argv: list[str] | None = None) -> Path:
         import cosyvoice2_bench  # perf/cosyvoice2_bench.py
 
         return cosyvoice2_bench.run(args, *load_prompts(args.prompts), log)
+    if args.model == "chatterbox":
+        import chatterbox_bench  # perf/chatterbox_bench.py
+
+        return chatterbox_bench.run(args, *load_prompts(args.prompts), log)
     if args.ab_base is not None:
         return run_ab(args, argv)
     run_started = time.perf_counter()

@@ -120,3 +120,25 @@ def test_cosyvoice2_quick_run_writes_a_results_table(tmp_path):
         line = next(ln for ln in text.splitlines() if ln.startswith(label))
         ratios = [float(x.split()[-1].rstrip("x")) for x in line.split(":", 1)[1].split(",")]
         assert len(ratios) == 2 and all(r > 0 for r in ratios)
+
+
+def test_chatterbox_quick_run_writes_a_results_table(tmp_path):
+    out = tmp_path / "chatterbox.md"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--model", "chatterbox", "--quick", "--cache-dir", str(tmp_path / "cache"),
+         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in text.splitlines() if ln.startswith("| ")]
+    assert {(n, s) for n in ("1", "4") for s in ("engine", "reference")} <= {tuple(r[:2]) for r in rows}
+    for r in rows[1:]:  # x real time, tokens/s, TTFA p50 / p90, tokens, audio, wall: served audio within the cap
+        assert all(float(x) > 0 for x in (r[3], r[4], r[5], r[6], r[8], r[9])) and 0 < float(r[7]) <= 30, r
+    for key in ("- commit:", "- cpu:", "random, seed 0", "- dataset:", "at most 30 tokens", "T3.inference",
+                "S3Token2Wav.inference"):
+        assert key in text, key
+    for label in ("Ratio engine/reference (x real time):", "TTFA p50, reference/engine:"):
+        line = next(ln for ln in text.splitlines() if ln.startswith(label))
+        ratios = [float(x.split()[-1].rstrip("x")) for x in line.split(":", 1)[1].split(",")]
+        assert len(ratios) == 2 and all(r > 0 for r in ratios)
