@@ -11,6 +11,7 @@ from voxbackend.models import token_lm
 from voxbackend.models.base import SpeechModel
 from voxbackend.models.checkpoint import read_config
 from voxbackend.models.chatterbox import model as chatterbox
+from voxbackend.models.chatterbox import turbo as chatterbox_turbo
 from voxbackend.models.cosyvoice2 import model as cosyvoice2
 from voxbackend.models.csm import model as csm
 from voxbackend.models.orpheus import model as orpheus
@@ -85,6 +86,13 @@ KINDS: dict[str, ModelKind] = {k.name: k for k in (
         tiny_checkpoint="voxbackend.models.chatterbox.tiny:ensure_default_chatterbox",
         served="Chatterbox (Llama T3 LM with classifier-free guidance, S3Gen flow matching + HiFT 24 kHz, voice "
                "cloning)",
+    ),
+    ModelKind(
+        # frontend: GPT-2 tokenizer, voices and (on the first clip) the voice encoder, S3 tokenizer and CAMPPlus
+        name="chatterbox_turbo", detect=lambda hf: False, detect_folder=chatterbox_turbo.is_chatterbox_turbo_folder,
+        model=chatterbox_turbo.ChatterboxTurbo, frontend=chatterbox_turbo.ChatterboxTurboFrontend,
+        tiny_checkpoint="voxbackend.models.chatterbox.tiny_turbo:ensure_default_chatterbox_turbo",
+        served="Chatterbox-Turbo (GPT-2 medium T3 LM, S3Gen meanflow + HiFT 24 kHz, voice cloning)",
     ),
     ModelKind(name="token_lm", detect=token_lm.is_token_lm_config, model=token_lm.TokenLM),
 )}

@@ -20,6 +20,9 @@ are FEATURE rows computed at submission; the text rows' positions are the sequen
 Checkpoint (the official folder): t3_cfg.safetensors, s3gen.safetensors, ve.safetensors, tokenizer.json, conds.pt
 (the built-in voice), voices/<name>.safetensors for named voices; tiny test checkpoints add t3.json (the backbone's
 Llama config), s3gen.json and voice.json with their shrunken sizes.
+
+`ChatterboxVoices` (voices, the S3Gen conditioning arrays) and `S3GenDecoding` (the codec side) are shared with
+Chatterbox-Turbo (voxbackend.models.chatterbox.turbo).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from safetensors.torch import load_file
 from voxbackend.errors import InvalidRequest
 from voxbackend.models.base import FEATURE, LMGeometry, ModelSpec, Prompt, SpeechModel, WindowJob, WindowSpec
 from voxbackend.models.chatterbox.s3gen import CONFIG_NAME as S3GEN_CONFIG
-from voxbackend.models.chatterbox.s3gen import load_s3gen, s3gen_config
+from voxbackend.models.chatterbox.s3gen import S3Gen, load_s3gen, s3gen_config
 from voxbackend.models.chatterbox.t3_lm import (COND_PROMPT_LEN, COND_ROWS, LLAMA_520M, SPEAKER_EMBED, SPEECH_VOCAB,
                                                 START_SPEECH, STOP_SPEECH, TEXT_VOCAB, WEIGHTS_FILE, T3LM)
 from voxbackend.models.chatterbox.text import START_TEXT, STOP_TEXT, ChatterboxTokenizer
@@ -66,29 +69,99 @@ class SpeechCursor:
     next_index: int = 1
 
 
-class ChatterboxFrontend(SpeechModel):
+VOICE_INPUT = TensorSpec("VOICE", "STRING", optional=True, arg="voice",
+                         doc="a named voice (voices/<name>.safetensors in the checkpoint, or one cloned earlier under "
+                             "this name); absent: the built-in voice (conds.pt); with REFERENCE_AUDIO: the name the "
+                             "clone is kept under")
+
+
+def reference_input(seconds: str) -> TensorSpec:
+    return TensorSpec("REFERENCE_AUDIO", "STRING", optional=True, arg="reference_audio", kind="audio",
+                      doc=f"voice cloning: a WAV/FLAC/OGG clip of {seconds} s (any rate); no transcript needed")
+
+
+SPEAKER_EMB = TensorSpec("SPEAKER_EMB", "FP32", (SPEAKER_EMBED,), arg="speaker_emb",
+                         doc="the voice encoder's embedding")
+# what S3Gen needs of a voice
+S3GEN_CONDITIONING = (
+    TensorSpec("PROMPT_SPEECH_TOKENS", "INT32", (-1,), arg="prompt_speech_tokens",
+               doc="the voice's 25 Hz speech tokens (S3Gen prompt)"),
+    TensorSpec("PROMPT_FEAT", "FP32", (-1, 80), arg="prompt_feat", doc="the voice's 50 Hz mel, 2 frames a token"),
+    TensorSpec("SPEAKER_EMBEDDING", "FP32", (-1,), arg="speaker_embedding", doc="the voice's CAMPPlus x-vector"),
+)
+
+
+class ChatterboxVoices(SpeechModel):
+    """What Chatterbox and Chatterbox-Turbo share before the LM: voices (conds.pt, voices/, clones of a clip), the
+    voice arrays a prompt carries and their checks, and speech ids as S3 codes (`speech_base` + code)."""
+
+    cloner_type: type[VoiceCloner] = VoiceCloner
+    speech_base: int
+
+    def init_voices(self) -> None:
+        self.voices_dir = self.model_dir / VOICES_DIR
+        self.voices = tuple(sorted(p.stem for p in self.voices_dir.glob("*.safetensors")))
+        self._cloner: VoiceCloner | None = None
+        self._cloner_lock = threading.Lock()
+
+    def cloner(self) -> VoiceCloner:
+        """The voice encoder + S3 tokenizer + CAMPPlus front end, loaded on the first request that needs it."""
+        with self._cloner_lock:
+            if self._cloner is None:
+                self._cloner = self.cloner_type.from_folder(self.model_dir)
+        return self._cloner
+
+    def voice(self, name: str | None, audio: bytes | None) -> ChatterboxVoice:
+        if audio is None and self._cloner is None:  # built-in and stored voices need none of the networks
+            voice_type = self.cloner_type.voice_type
+            if name is None and (self.model_dir / "conds.pt").is_file():
+                return voice_type.from_conds(self.model_dir / "conds.pt")
+            if name in self.voices:
+                return voice_type.load(self.voices_dir / f"{name}.safetensors")
+        return self.cloner().voice(name, audio)
+
+    @staticmethod
+    def voice_arrays(v: ChatterboxVoice) -> dict[str, np.ndarray]:
+        """The T3 speaker embedding and S3Gen's prompt of a voice, as Prompt.conditioning."""
+        return {
+            "speaker_emb": v.speaker_emb.numpy().astype(np.float32).reshape(SPEAKER_EMBED),
+            "prompt_speech_tokens": v.prompt_tokens.numpy().astype(np.int32),
+            "prompt_feat": v.prompt_feat.numpy().astype(np.float32),
+            "speaker_embedding": v.xvector.numpy().astype(np.float32).reshape(-1),
+        }
+
+    def check_voice_arrays(self, out: dict[str, np.ndarray]) -> None:
+        tokens = out["prompt_speech_tokens"]
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= S3_CODES):
+            raise InvalidRequest(f"prompt_speech_tokens must be in [0, {S3_CODES})", field="prompt_speech_tokens")
+        if out["prompt_feat"].shape[0] != 2 * tokens.size:
+            raise InvalidRequest(f"prompt_feat has {out['prompt_feat'].shape[0]} frames; 2 per prompt speech token "
+                                 f"({2 * tokens.size}) are needed", field="prompt_feat")
+        if not all(np.isfinite(out[k]).all() for k in ("speaker_emb", "prompt_feat", "speaker_embedding")):
+            raise InvalidRequest("the voice's arrays must be finite", field="speaker_emb")
+
+    def codes_from_step(self, step: int, codes_so_far: int) -> list[int]:
+        code = step - self.speech_base
+        return [code] if 0 <= code < S3_CODES else []
+
+
+class ChatterboxFrontend(ChatterboxVoices):
     """Tokenizer, voices, prompt rules and spec without the LM or S3Gen weights: the preprocess model's side."""
 
     request_inputs = (
-        TensorSpec("VOICE", "STRING", optional=True, arg="voice",
-                   doc="a named voice (voices/<name>.safetensors in the checkpoint, or one cloned earlier under this "
-                       "name); absent: the built-in voice (conds.pt); with REFERENCE_AUDIO: the name the clone is "
-                       "kept under"),
-        TensorSpec("REFERENCE_AUDIO", "STRING", optional=True, arg="reference_audio", kind="audio",
-                   doc="voice cloning: a WAV/FLAC/OGG clip of 1-30 s (any rate); no transcript needed"),
+        VOICE_INPUT,
+        reference_input("1-30"),
         TensorSpec("EXAGGERATION", "FP32", optional=True, arg="exaggeration",
                    doc=f"emotion exaggeration in [0, {MAX_EXAGGERATION:g}]; 0.5 (default) is neutral"),
     )
     conditioning = (
-        TensorSpec("SPEAKER_EMB", "FP32", (SPEAKER_EMBED,), arg="speaker_emb", doc="the voice encoder's embedding"),
+        SPEAKER_EMB,
         TensorSpec("COND_TOKENS", "INT32", (-1,), arg="cond_tokens",
                    doc=f"the voice's first 6 s as S3 tokens (1-{COND_PROMPT_LEN}), for the LM's perceiver"),
         TensorSpec("EMOTION_ADV", "FP32", (1,), arg="emotion_adv", doc="the request's exaggeration"),
-        TensorSpec("PROMPT_SPEECH_TOKENS", "INT32", (-1,), arg="prompt_speech_tokens",
-                   doc="the voice's 25 Hz speech tokens (S3Gen prompt)"),
-        TensorSpec("PROMPT_FEAT", "FP32", (-1, 80), arg="prompt_feat", doc="the voice's 50 Hz mel, 2 frames a token"),
-        TensorSpec("SPEAKER_EMBEDDING", "FP32", (-1,), arg="speaker_embedding", doc="the voice's CAMPPlus x-vector"),
+        *S3GEN_CONDITIONING,
     )
+    speech_base = SPEECH_BASE
 
     def __init__(self, model_dir: str | Path, codec_dir: str | Path | None = None):
         self.model_dir = Path(model_dir)
@@ -111,26 +184,7 @@ class ChatterboxFrontend(SpeechModel):
             max_tokens=MAX_SPEECH_TOKENS,
             guidance=True,
         )
-        self.voices_dir = self.model_dir / VOICES_DIR
-        self.voices = tuple(sorted(p.stem for p in self.voices_dir.glob("*.safetensors")))
-        self._cloner: VoiceCloner | None = None
-        self._cloner_lock = threading.Lock()
-
-    # ---------------------------------------------------------------- voices
-    def cloner(self) -> VoiceCloner:
-        """The voice encoder + S3 tokenizer + CAMPPlus front end, loaded on the first request that needs it."""
-        with self._cloner_lock:
-            if self._cloner is None:
-                self._cloner = VoiceCloner.from_folder(self.model_dir)
-        return self._cloner
-
-    def voice(self, name: str | None, audio: bytes | None) -> ChatterboxVoice:
-        if audio is None and self._cloner is None:  # built-in and stored voices need none of the networks
-            if name is None and (self.model_dir / "conds.pt").is_file():
-                return ChatterboxVoice.from_conds(self.model_dir / "conds.pt")
-            if name in self.voices:
-                return ChatterboxVoice.load(self.voices_dir / f"{name}.safetensors")
-        return self.cloner().voice(name, audio)
+        self.init_voices()
 
     # ---------------------------------------------------------------- preprocessing
     def prepare(self, text: str, voice: str | None = None, reference_audio: bytes | None = None,
@@ -142,14 +196,8 @@ class ChatterboxFrontend(SpeechModel):
         v = self.voice(voice, reference_audio)
         # the start-of-speech row twice, both at speech position 0, as the reference builds its first input
         prompt = [FEATURE] * COND_ROWS + [START_TEXT, *text_ids, STOP_TEXT] + [SPEECH_BASE + START_SPEECH] * 2
-        conditioning = {
-            "speaker_emb": v.speaker_emb.numpy().astype(np.float32).reshape(SPEAKER_EMBED),
-            "cond_tokens": v.cond_tokens.numpy().astype(np.int32),
-            "emotion_adv": np.array([check_exaggeration(exaggeration)], dtype=np.float32),
-            "prompt_speech_tokens": v.prompt_tokens.numpy().astype(np.int32),
-            "prompt_feat": v.prompt_feat.numpy().astype(np.float32),
-            "speaker_embedding": v.xvector.numpy().astype(np.float32).reshape(-1),
-        }
+        conditioning = {**self.voice_arrays(v), "cond_tokens": v.cond_tokens.numpy().astype(np.int32),
+                        "emotion_adv": np.array([check_exaggeration(exaggeration)], dtype=np.float32)}
         return Prompt(prompt, conditioning, max_tokens=MAX_SPEECH_TOKENS)
 
     def check_conditioning(self, conditioning: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -159,14 +207,7 @@ class ChatterboxFrontend(SpeechModel):
             raise InvalidRequest(f"cond_tokens must be 1-{COND_PROMPT_LEN} ids in [0, {S3_CODES})",
                                  field="cond_tokens")
         check_exaggeration(float(out["emotion_adv"][0]), field="emotion_adv")
-        tokens = out["prompt_speech_tokens"]
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= S3_CODES):
-            raise InvalidRequest(f"prompt_speech_tokens must be in [0, {S3_CODES})", field="prompt_speech_tokens")
-        if out["prompt_feat"].shape[0] != 2 * tokens.size:
-            raise InvalidRequest(f"prompt_feat has {out['prompt_feat'].shape[0]} frames; 2 per prompt speech token "
-                                 f"({2 * tokens.size}) are needed", field="prompt_feat")
-        if not all(np.isfinite(out[k]).all() for k in ("speaker_emb", "prompt_feat", "speaker_embedding")):
-            raise InvalidRequest("the voice's arrays must be finite", field="speaker_emb")
+        self.check_voice_arrays(out)
         return out
 
     def default_sampling(self) -> SamplingParams:
@@ -185,10 +226,6 @@ class ChatterboxFrontend(SpeechModel):
         """The text rows lose their ids (start and end included), as the reference zeroes the text embeddings."""
         return [TEXT_BLANK if 0 <= i < TEXT_VOCAB else i for i in prompt]
 
-    def codes_from_step(self, step: int, codes_so_far: int) -> list[int]:
-        code = step - SPEECH_BASE
-        return [code] if 0 <= code < S3_CODES else []
-
 
 def check_exaggeration(value, field: str = "exaggeration") -> float:
     if value is None:
@@ -202,7 +239,34 @@ def check_exaggeration(value, field: str = "exaggeration") -> float:
     return value
 
 
-class Chatterbox(ChatterboxFrontend):
+class S3GenDecoding:
+    """The codec side of a served Chatterbox model: S3Gen (`self.codec`) decodes each request's S3 codes as they
+    come, in windows the stream schedules; `tail_codes` are appended when the LM is done (Turbo: silence)."""
+
+    codec: S3Gen
+    tail_codes: tuple[int, ...] = ()
+
+    def new_codec_state(self, conditioning):
+        # windows as a complete token sequence is cut: the audio does not depend on when tokens arrived
+        return self.codec.new_stream(conditioning["prompt_speech_tokens"], conditioning["prompt_feat"],
+                                     conditioning["speaker_embedding"], as_complete=True)
+
+    def windows_ready(self, state, codes: list[int], lm_done: bool) -> int:
+        if len(codes) > len(state.tokens):
+            state.push(codes[len(state.tokens):])
+        if lm_done and not state.ended:
+            state.push(self.tail_codes)
+            state.end()
+        return 1 if self.codec.window_due(state) else 0
+
+    def detokenize(self, jobs: list[WindowJob]) -> list[np.ndarray]:
+        for job in jobs:
+            if job.index == 0:  # the request's HiFT excitation noise follows its seed
+                job.state.generator.manual_seed(job.seed)
+        return [a.numpy().astype(np.float32, copy=False) for a in self.codec.decode([j.state for j in jobs])]
+
+
+class Chatterbox(S3GenDecoding, ChatterboxFrontend):
     def __init__(self, model_dir: str | Path, codec_dir: str | Path | None = None, device: str = "cpu",
                  dtype: torch.dtype = torch.float32):
         super().__init__(model_dir, codec_dir)
@@ -237,22 +301,3 @@ class Chatterbox(ChatterboxFrontend):
         logits = torch.full((len(hidden), self.spec.geometry.vocab_size), float("-inf"), device=hidden.device)
         logits[:, SPEECH_BASE:] = self.lm.speech_logits(hidden)
         return logits
-
-    # ---------------------------------------------------------------- S3Gen
-    def new_codec_state(self, conditioning):
-        # windows as a complete token sequence is cut: the audio does not depend on when tokens arrived
-        return self.codec.new_stream(conditioning["prompt_speech_tokens"], conditioning["prompt_feat"],
-                                     conditioning["speaker_embedding"], as_complete=True)
-
-    def windows_ready(self, state, codes: list[int], lm_done: bool) -> int:
-        if len(codes) > len(state.tokens):
-            state.push(codes[len(state.tokens):])
-        if lm_done and not state.ended:
-            state.end()
-        return 1 if self.codec.window_due(state) else 0
-
-    def detokenize(self, jobs: list[WindowJob]) -> list[np.ndarray]:
-        for job in jobs:
-            if job.index == 0:  # the request's HiFT excitation noise follows its seed
-                job.state.generator.manual_seed(job.seed)
-        return [a.numpy().astype(np.float32, copy=False) for a in self.codec.decode([j.state for j in jobs])]

@@ -1,7 +1,8 @@
 """Chatterbox voices: the built-in one (conds.pt), stored ones (voices/<name>.safetensors) and clones of a clip.
 
 A voice conditions both networks (what upstream `ChatterboxTTS.prepare_conditionals` computes):
-- T3: the VoiceEncoder embedding of the whole 16 kHz clip and the S3 tokens of its first 6 s (at most 150);
+- T3: the VoiceEncoder embedding of the whole 16 kHz clip and the S3 tokens of its first 6 s (at most 150; Turbo:
+  15 s and 375, its subclasses in voxbackend.models.chatterbox.turbo);
 - S3Gen, from the clip cut to 10 s at 24 kHz: its S3 tokens (of its 16 kHz resample), its 80-bin mel (2 frames per
   token) and its CAMPPlus x-vector.
 As upstream, the 16 kHz clip is a resample of the 24 kHz one. The exaggeration scalar is a request option, not
@@ -15,6 +16,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -42,13 +44,14 @@ class ChatterboxVoice:
     prompt_tokens: torch.Tensor  # int32 [P], S3Gen's prompt tokens (25 Hz)
     prompt_feat: torch.Tensor    # float32 [2P, 80], S3Gen's prompt mel (50 Hz)
     xvector: torch.Tensor        # float32 [192], S3Gen's speaker embedding (CAMPPlus)
+    max_cond_tokens: ClassVar[int] = COND_TOKENS  # Chatterbox-Turbo's voices keep more (its subclass)
 
     def __post_init__(self):
         p = self.prompt_tokens.numel()
         if self.prompt_feat.shape != (TOKEN_MEL_RATIO * p, self.prompt_feat.shape[-1]):
             raise ValueError(f"prompt_feat {list(self.prompt_feat.shape)} is not 2 frames for each of {p} tokens")
-        if self.cond_tokens.numel() > COND_TOKENS:
-            raise ValueError(f"{self.cond_tokens.numel()} T3 prompt tokens; at most {COND_TOKENS}")
+        if self.cond_tokens.numel() > self.max_cond_tokens:
+            raise ValueError(f"{self.cond_tokens.numel()} T3 prompt tokens; at most {self.max_cond_tokens}")
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -120,6 +123,9 @@ class VoiceCloner:
     # S3 tokenizer's 30 s window would be exceeded
     MIN_REFERENCE_S = 1.0
     MAX_REFERENCE_S = 30.0
+    COND_SECONDS = ENC_COND_S  # the clip's head whose S3 tokens prompt T3
+    S3GEN_FILE = "s3gen.safetensors"  # where the S3 tokenizer and CAMPPlus weights are
+    voice_type: ClassVar[type[ChatterboxVoice]] = ChatterboxVoice
 
     def __init__(self, cfg: VoiceConfig, encoder: VoiceEncoder, tokenizer: S3TokenizerV2, speaker: CAMPPlus,
                  folder: str | Path | None = None):
@@ -144,7 +150,7 @@ class VoiceCloner:
         config_path = folder / VoiceConfig.CONFIG_NAME
         cfg = VoiceConfig.from_dict(json.loads(config_path.read_text())) if config_path.exists() else VoiceConfig()
         tokenizer_state, speaker_state = {}, {}
-        with safe_open(str(folder / "s3gen.safetensors"), framework="pt") as f:  # ~1 GB: read only these parts
+        with safe_open(str(folder / cls.S3GEN_FILE), framework="pt") as f:  # ~1 GB: read only these parts
             for key in f.keys():
                 if key.startswith(TOKENIZER_PREFIX) and key[len(TOKENIZER_PREFIX):] not in TOKENIZER_BUFFERS:
                     tokenizer_state[key[len(TOKENIZER_PREFIX):]] = f.get_tensor(key)
@@ -173,13 +179,14 @@ class VoiceCloner:
         dec_16k = resample(dec_24k, FLOW_RATE, WHISPER_RATE)  # upstream resamples the cut clip again
         with torch.inference_mode():
             speaker_emb = self.encoder.embed(audio_16k)
-            cond_tokens = self._tokens(audio_16k[: ENC_COND_S * WHISPER_RATE], max_tokens=COND_TOKENS)
+            cond_tokens = self._tokens(audio_16k[: self.COND_SECONDS * WHISPER_RATE],
+                                       max_tokens=self.voice_type.max_cond_tokens)
             prompt_tokens = self._tokens(dec_16k)
             prompt_feat = flow_mel(torch.from_numpy(dec_24k))
             xvector = self.speaker.embed(torch.from_numpy(dec_16k))
         self.computed += 1
         n = min(prompt_feat.size(0) // TOKEN_MEL_RATIO, prompt_tokens.numel())  # S3Gen: 2 mel frames per token
-        return ChatterboxVoice(speaker_emb.clone(), cond_tokens.clone(), prompt_tokens[:n].clone(),
+        return self.voice_type(speaker_emb.clone(), cond_tokens.clone(), prompt_tokens[:n].clone(),
                                prompt_feat[: TOKEN_MEL_RATIO * n].clone(), xvector.clone())
 
     def _tokens(self, audio_16k: np.ndarray, max_tokens: int | None = None) -> torch.Tensor:
@@ -199,7 +206,7 @@ class VoiceCloner:
             if path is None or not path.is_file():
                 raise InvalidRequest("voice: this checkpoint has no built-in voice (conds.pt); name a voice or send "
                                      "reference_audio", field="voice")
-            self._builtin = ChatterboxVoice.from_conds(path)
+            self._builtin = self.voice_type.from_conds(path)
         return self._builtin
 
     def voice(self, name: str | None = None, audio: bytes | np.ndarray | None = None,
@@ -220,7 +227,7 @@ class VoiceCloner:
             if path is None:
                 raise InvalidRequest(f"voice {name!r} is not known: send a reference clip with it once, or store "
                                      f"it as {VOICES_DIR}/{name}.safetensors in the checkpoint", field="voice")
-            voice = ChatterboxVoice.load(path)
+            voice = self.voice_type.load(path)
         with self._lock:
             self._cache[name] = voice
             while len(self._cache) > self.cfg.max_cached_voices:
