@@ -229,9 +229,9 @@ class NaiveTritonModel:
                 if voice not in VOICES:
                     raise InvalidRequest(f"unknown voice {voice!r}; choose one of {', '.join(VOICES)}")
                 sp = fields.sampling(get, SamplingParams(**DEFAULT_SAMPLING))
-                if sp.top_k or sp.min_p:  # the official pipeline has no top-k / min-p
+                if sp.top_k or sp.min_p or sp.cfg_weight:  # the official pipeline has none of them
                     raise InvalidRequest("the naive baseline supports TEMPERATURE, TOP_P, REPETITION_PENALTY, "
-                                         "MAX_TOKENS and SEED only (TOP_K and MIN_P must be 0)")
+                                         "MAX_TOKENS and SEED only (TOP_K, MIN_P and CFG_WEIGHT must be 0)")
                 sampling = dict(temperature=sp.temperature, top_p=sp.top_p,
                                 repetition_penalty=sp.repetition_penalty, max_tokens=sp.max_tokens, seed=sp.seed)
                 job = Job(request.request_id(), sender, {"text": text, "voice": voice, "sampling": sampling},
