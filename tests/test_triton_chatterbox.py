@@ -153,15 +153,20 @@ BAD_INPUTS = {
 }
 
 
+# the engine model checks what reaches it itself (its own prepare when TEXT comes instead of PROMPT_IDS)
+ENGINE_BAD_INPUTS = ("negative guidance weight", "exaggeration out of range", "reference clip too short")
+
+
 def test_bad_inputs_are_refused_naming_the_tensor_while_another_stream_plays(server, reference):
-    playing = dataclasses.replace(CASES[0], max_tokens=120, seed=400)
+    playing = dataclasses.replace(CASES[0], max_tokens=80, seed=400)
     result = {}
     thread = threading.Thread(target=lambda: result.update(out=stream_request(
         server.grpc_url, "chatterbox", playing.inputs(), playing.fmt, timeout=240)))
     thread.start()
     failures = []
-    for model in ("chatterbox", "chatterbox_engine"):
-        for name, (case, message) in BAD_INPUTS.items():
+    for model, names in (("chatterbox", BAD_INPUTS), ("chatterbox_engine", ENGINE_BAD_INPUTS)):
+        for name in names:
+            case, message = BAD_INPUTS[name]
             out = stream_request(server.grpc_url, model, case.inputs(), timeout=60, linger_s=0.2)
             if not (out.error and message in out.error and out.responses == 1 and not out.chunks):
                 failures.append(f"{model} / {name}: error={out.error!r} responses={out.responses}")
