@@ -32,8 +32,8 @@ class Admission:
         A new request needs the pages of its first prefill chunk; a preempted one the pages of its whole
         sequence, since it must recompute all of it before it can sample again (a half-recomputed prefix taken
         back would be wasted work); a guided request needs them for both its rows. On top, one free page per
-        request already on the LM: each grows by about a
-        page per page_size steps, so a newcomer is not let into a pool that must preempt at the very next step.
+        request already on the LM: each grows by about a page per page_size steps, so a newcomer is not let into a
+        pool that must preempt at the very next step.
         """
         queued = [r for r in self.running if r.lm.preempted] + list(self.waiting)
         for r in self.policy.admission_order(queued, now):
