@@ -40,18 +40,6 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(scope="module")
-def default_threads():
-    """For modules whose checks are bit for bit against a reference that was shown equal at torch's default
-    intra-op threads (one per core), not at the one thread an xdist worker of two runs with. Restored after."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
 def one_thread():
     """For modules of tiny tensors (`pytestmark = pytest.mark.usefixtures("one_thread")`): with intra-op threads
     every small op pays a fan-out, and on a shared 2-core machine a stalled thread (measured: 1-frame Qwen3-TTS

@@ -14,9 +14,6 @@ from voxbackend.models.csm.model import ContextSegment
 
 import transformers  # noqa: E402
 
-# the latents are compared bit for bit; at one intra-op thread (an xdist worker's) one case differs
-pytestmark = pytest.mark.usefixtures("default_threads")
-
 
 @pytest.fixture(scope="module")
 def tiny_mimi(tmp_path_factory):
