@@ -22,18 +22,6 @@ os.environ["VOXBACKEND_CACHE"] = str(Path(os.environ["VOXBACKEND_TEST_CACHE"]) /
 from tests.triton_util import COMMITTED  # noqa: E402  (after the cache is set: voxbackend may read it on import)
 
 
-def pytest_configure(config):
-    """An xdist worker shares the cores with the others: intra-op threads = cores / workers. Two workers of two
-    threads each on two cores ran larger CPU tests 3x slower than one thread each (test_mimi_parity beside a
-    two-thread load: 19 s against 7 s), and the suite is mostly such tests. Subprocesses (tritonserver, benches)
-    keep torch's default."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-    if workers > 1 and hasattr(config, "workerinput"):
-        import torch
-
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-
-
 def pytest_unconfigure(config):
     if _OWNS_CACHE and not hasattr(config, "workerinput"):
         shutil.rmtree(os.environ["VOXBACKEND_TEST_CACHE"], ignore_errors=True)
