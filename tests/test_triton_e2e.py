@@ -211,8 +211,9 @@ def test_cancelling_half_of_16_streams_leaves_the_rest_intact_and_frees_kv(serve
             assert_matches(out, reference(TEXTS[i], None, 300 + i), "fp32", f"kept stream {i}")
     # every cancelled stream ends as "cancelled" in the engine (with top_k=8 the tiny model practically never
     # picks end-of-speech, so none of them finishes its 1200 tokens first), and its KV pages come back
+    # (45 s: on a loaded 2-core CI machine one orpheus_engine cancel was not counted within 15 s, 1 run in 5)
     assert wait_for(lambda: metric(server, "voxbackend_requests_finished_total", reason="cancelled") - before
-                    == 8), f"the engine did not see every cancellation: {finished_by_reason(server)}"
+                    == 8, timeout=45.0), f"the engine did not see every cancellation: {finished_by_reason(server)}"
     assert wait_for(lambda: metric(server, "voxbackend_kv_pages_used") == 0
                     and metric(server, "voxbackend_active_streams") == 0), "KV pages or streams left over"
 
