@@ -44,7 +44,7 @@ from voxbackend.models.chatterbox.t3_lm import (COND_PROMPT_LEN, COND_ROWS, LLAM
                                                 START_SPEECH, STOP_SPEECH, TEXT_VOCAB, WEIGHTS_FILE, T3LM)
 from voxbackend.models.chatterbox.text import START_TEXT, STOP_TEXT, ChatterboxTokenizer
 from voxbackend.models.chatterbox.voice import ChatterboxVoice, VoiceCloner
-from voxbackend.models.cosyvoice2.cloning import VOICES_DIR
+from voxbackend.models.named_voices import VOICES_DIR
 from voxbackend.models.decoder import DecoderConfig
 from voxbackend.sampling_params import SamplingParams
 from voxbackend.tensor_spec import TensorSpec

@@ -12,8 +12,6 @@ and the flow's output starts one frame later), so prompt_feat is always [2P, 80]
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
@@ -27,7 +25,7 @@ from voxbackend.components.s3_tokenizer import S3TokenizerConfig, S3TokenizerV2
 from voxbackend.components.speaker.campplus import CAMPPlus, CAMPPlusConfig
 from voxbackend.errors import InvalidRequest
 from voxbackend.models.chatterbox.voice_encoder import VoiceEncoder, VoiceEncoderConfig, load_voice_encoder
-from voxbackend.models.cosyvoice2.cloning import VOICE_NAME, VOICES_DIR
+from voxbackend.models.named_voices import VOICES_DIR, NamedVoices
 
 TOKEN_MEL_RATIO = 2
 COND_TOKENS = 150  # T3's speech_cond_prompt_len
@@ -134,10 +132,9 @@ class VoiceCloner:
         self.tokenizer = tokenizer.eval()
         self.speaker = speaker.eval()
         self.folder = Path(folder) if folder is not None else None
-        self.voices_dir = self.folder / VOICES_DIR if self.folder is not None else None
+        self.named = NamedVoices(self.folder / VOICES_DIR if self.folder is not None else None, self.voice_type.load,
+                                 cfg.max_cached_voices)
         self._builtin: ChatterboxVoice | None = None
-        self._cache: OrderedDict[str, ChatterboxVoice] = OrderedDict()
-        self._lock = threading.Lock()
         self.computed = 0  # clips run through the networks (tells a cache hit from a recompute)
 
     @classmethod
@@ -215,46 +212,11 @@ class VoiceCloner:
         computed earlier (bounded LRU) or stored in voices/. A name already known is not recomputed."""
         if name is None:
             return self.builtin() if audio is None else self.clone(audio, sample_rate)
-        self._check_name(name)
-        with self._lock:
-            if name in self._cache:
-                self._cache.move_to_end(name)
-                return self._cache[name]
-        if audio is not None:
-            voice = self.clone(audio, sample_rate)
-        else:
-            path = self._stored(name)
-            if path is None:
-                raise InvalidRequest(f"voice {name!r} is not known: send a reference clip with it once, or store "
-                                     f"it as {VOICES_DIR}/{name}.safetensors in the checkpoint", field="voice")
-            voice = self.voice_type.load(path)
-        with self._lock:
-            self._cache[name] = voice
-            while len(self._cache) > self.cfg.max_cached_voices:
-                self._cache.popitem(last=False)
-        return voice
+        return self.named.get(name, None if audio is None else lambda: self.clone(audio, sample_rate))
 
     def save_voice(self, name: str, voice: ChatterboxVoice) -> Path:
         """Stores a voice in voices/<name>.safetensors so later servers know it without a clip."""
-        self._check_name(name)
-        if self.voices_dir is None:
-            raise ValueError("this cloner has no checkpoint folder")
-        self.voices_dir.mkdir(parents=True, exist_ok=True)
-        path = self.voices_dir / f"{name}.safetensors"
-        voice.save(path)
-        return path
+        return self.named.save(name, voice)
 
     def stored_voices(self) -> list[str]:
-        if self.voices_dir is None or not self.voices_dir.is_dir():
-            return []
-        return sorted(p.stem for p in self.voices_dir.glob("*.safetensors"))
-
-    def _stored(self, name: str) -> Path | None:
-        path = self.voices_dir / f"{name}.safetensors" if self.voices_dir is not None else None
-        return path if path is not None and path.is_file() else None
-
-    @staticmethod
-    def _check_name(name) -> None:
-        if not isinstance(name, str) or not VOICE_NAME.fullmatch(name):
-            raise InvalidRequest(f"voice name must match {VOICE_NAME.pattern} (letters, digits, _ . -), "
-                                 f"got {name!r}", field="voice")
+        return self.named.stored()

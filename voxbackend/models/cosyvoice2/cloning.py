@@ -17,9 +17,6 @@ recomputed (pick a new name for a new clip).
 from __future__ import annotations
 
 import json
-import re
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,9 +28,8 @@ from voxbackend.components.speaker.campplus import CAMPPlus, CAMPPlusConfig
 from voxbackend.components.features.mel_features import FLOW_RATE, WHISPER_RATE, flow_mel
 from voxbackend.components.s3_tokenizer import S3TokenizerConfig, S3TokenizerV2
 from voxbackend.errors import InvalidRequest
+from voxbackend.models.named_voices import VOICES_DIR, NamedVoices
 
-VOICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-VOICES_DIR = "voices"
 TOKEN_MEL_RATIO = 2
 
 
@@ -88,9 +84,7 @@ class VoiceCloner:
         self.cfg = cfg
         self.tokenizer = tokenizer.eval()
         self.speaker = speaker.eval()
-        self.voices_dir = Path(voices_dir) if voices_dir is not None else None
-        self._cache: OrderedDict[str, VoicePrompt] = OrderedDict()
-        self._lock = threading.Lock()
+        self.named = NamedVoices(voices_dir, VoicePrompt.load, cfg.max_cached_voices)
         self.computed = 0  # clips run through the networks (tells a cache hit from a recompute)
 
     def clone(self, audio: bytes | np.ndarray, sample_rate: int | None, transcript: str | None) -> VoicePrompt:
@@ -126,49 +120,14 @@ class VoiceCloner:
                     raise InvalidRequest("reference_text was given without reference_audio", field="reference_audio")
                 raise InvalidRequest("voice: give a voice name or a reference clip with its transcript", field="voice")
             return self.clone(audio, sample_rate, transcript)
-        self._check_name(name)
-        with self._lock:
-            if name in self._cache:
-                self._cache.move_to_end(name)
-                return self._cache[name]
-        if audio is not None:
-            prompt = self.clone(audio, sample_rate, transcript)
-        else:
-            path = self._stored(name)
-            if path is None:
-                raise InvalidRequest(f"voice {name!r} is not known: send a reference clip with it once, or store "
-                                     f"it as {VOICES_DIR}/{name}.safetensors in the checkpoint", field="voice")
-            prompt = VoicePrompt.load(path)
-        with self._lock:
-            self._cache[name] = prompt
-            while len(self._cache) > self.cfg.max_cached_voices:
-                self._cache.popitem(last=False)
-        return prompt
+        return self.named.get(name, None if audio is None else lambda: self.clone(audio, sample_rate, transcript))
 
     def save_voice(self, name: str, prompt: VoicePrompt) -> Path:
         """Stores a voice in voices/<name>.safetensors so later servers know it without a clip."""
-        self._check_name(name)
-        if self.voices_dir is None:
-            raise ValueError("this front end has no voices folder")
-        self.voices_dir.mkdir(parents=True, exist_ok=True)
-        path = self.voices_dir / f"{name}.safetensors"
-        prompt.save(path)
-        return path
+        return self.named.save(name, prompt)
 
     def stored_voices(self) -> list[str]:
-        if self.voices_dir is None or not self.voices_dir.is_dir():
-            return []
-        return sorted(p.stem for p in self.voices_dir.glob("*.safetensors"))
-
-    def _stored(self, name: str) -> Path | None:
-        path = self.voices_dir / f"{name}.safetensors" if self.voices_dir is not None else None
-        return path if path is not None and path.is_file() else None
-
-    @staticmethod
-    def _check_name(name) -> None:
-        if not isinstance(name, str) or not VOICE_NAME.fullmatch(name):
-            raise InvalidRequest(f"voice name must match {VOICE_NAME.pattern} (letters, digits, _ . -), "
-                                 f"got {name!r}", field="voice")
+        return self.named.stored()
 
 
 def load_voice_cloner(folder: str | Path) -> VoiceCloner:
