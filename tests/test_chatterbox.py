@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from chatterbox_oracle import upstream_t3
+from util_engine_drive import run_staggered, stream_audio
 from voxbackend.errors import InvalidRequest
 from voxbackend.models.chatterbox.model import SPEECH_BASE, ChatterboxFrontend
 from voxbackend.models.chatterbox.t3_lm import WEIGHTS_FILE
@@ -85,23 +86,6 @@ def upstream_tokens(reference, model, text: str, conditioning: dict, cfg_weight:
 
 def speech(ids: list[int]) -> list[int]:
     return [i - SPEECH_BASE for i in ids]
-
-
-def run_staggered(engine, prompts, sampling, every: int = 3) -> list[list[int]]:
-    """Submit a new request every `every` engine steps; each request's token ids."""
-    done: dict[str, list[int]] = {}
-
-    def on_event(e):
-        if e.final:
-            done[e.request_id] = e.token_ids
-
-    ids, step = [], 0
-    while len(done) < len(prompts):
-        if step % every == 0 and len(ids) < len(prompts):
-            ids.append(engine.submit(prompts[len(ids)], sampling, on_event, streaming=False))
-        engine.step()
-        step += 1
-    return [done[i] for i in ids]
 
 
 def test_checkpoint_is_detected_and_frontend_prompts_the_reference_way(ckpt, engine):
@@ -202,27 +186,6 @@ def test_a_model_without_guidance_refuses_cfg_weight(engine, monkeypatch):
     engine.submit(engine.model.prepare(TEXTS[0]), greedy(0.0), request_id="unguided")
     engine.cancel("unguided")
     engine.step()
-
-
-def stream_audio(engine, requests: list[tuple], every: int) -> list[np.ndarray]:
-    """(prompt, sampling) requests submitted one every `every` engine steps (driven on this thread); each one's
-    audio."""
-    chunks: dict[str, list[np.ndarray]] = {}
-    done: set[str] = set()
-
-    def on_event(e):
-        if e.audio is not None and len(e.audio):
-            chunks.setdefault(e.request_id, []).append(e.audio)
-        if e.final:
-            done.add(e.request_id)
-
-    ids, step = [], 0
-    while len(done) < len(requests):
-        if step % every == 0 and len(ids) < len(requests):
-            ids.append(engine.submit(*requests[len(ids)], on_event))
-        engine.step()
-        step += 1
-    return [np.concatenate(chunks[rid]) for rid in ids]
 
 
 def test_audio_does_not_depend_on_the_batch(engine):

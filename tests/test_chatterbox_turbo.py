@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from chatterbox_oracle import load_t3
+from util_engine_drive import run_staggered, stream_audio
 from voxbackend.errors import InvalidRequest
 from voxbackend.models.base import FEATURE, Prompt
 from voxbackend.models.chatterbox.tiny_turbo import write_tiny_chatterbox_turbo
@@ -113,23 +114,6 @@ def speech(model, ids: list[int]) -> list[int]:
     return tokens[:-1] if tokens and tokens[-1] == STOP_SPEECH else tokens
 
 
-def run_staggered(engine, prompts, sampling, every: int = 3) -> list[list[int]]:
-    """Submit a new request every `every` engine steps; each request's token ids."""
-    done: dict[str, list[int]] = {}
-
-    def on_event(e):
-        if e.final:
-            done[e.request_id] = e.token_ids
-
-    ids, step = [], 0
-    while len(done) < len(prompts):
-        if step % every == 0 and len(ids) < len(prompts):
-            ids.append(engine.submit(prompts[len(ids)], sampling, on_event, streaming=False))
-        engine.step()
-        step += 1
-    return [done[i] for i in ids]
-
-
 def test_checkpoint_is_detected_and_the_frontend_prompts_the_reference_way(ckpt, engine):
     from transformers import AutoTokenizer
 
@@ -208,27 +192,6 @@ def test_s3gen_gets_three_silence_tokens_after_the_last_code(engine):
     m.windows_ready(state, [5, 6, 7, 8], lm_done=True)
     assert state.tokens == [5, 6, 7, 8, SILENCE, SILENCE, SILENCE] and state.ended
     assert m.codes_from_step(m.speech_base + START_SPEECH, 0) == [] and m.codes_from_step(m.speech_base + 9, 0) == [9]
-
-
-def stream_audio(engine, requests: list[tuple], every: int) -> list[np.ndarray]:
-    """(prompt, sampling) requests submitted one every `every` engine steps (driven on this thread); each one's
-    audio."""
-    chunks: dict[str, list[np.ndarray]] = {}
-    done: set[str] = set()
-
-    def on_event(e):
-        if e.audio is not None and len(e.audio):
-            chunks.setdefault(e.request_id, []).append(e.audio)
-        if e.final:
-            done.add(e.request_id)
-
-    ids, step = [], 0
-    while len(done) < len(requests):
-        if step % every == 0 and len(ids) < len(requests):
-            ids.append(engine.submit(*requests[len(ids)], on_event))
-        engine.step()
-        step += 1
-    return [np.concatenate(chunks[rid]) for rid in ids]
 
 
 def test_audio_does_not_depend_on_the_batch(engine):
