@@ -58,7 +58,7 @@ class RequestValidator:
         max_context = self.model.spec.geometry.max_context
         if len(ids) + params.max_tokens > max_context:
             params.max_tokens = max_context - len(ids)  # generation ends at the context ("length")
-        guide = self._guide(ids, params, conditioning, feature_positions)
+        guide = self._guide(ids, params, conditioning, feature_positions, features)
         rows = 1 if guide is None else 2
         needed = self.pool.pages_for(len(ids) + params.max_tokens) * rows
         if needed > self.pool.num_pages:  # it could never run, even alone in the pool
@@ -68,8 +68,8 @@ class RequestValidator:
             )
         return CheckedRequest(ids, params, track, conditioning, feature_positions, features, guide)
 
-    def _guide(self, ids: list, params: SamplingParams, conditioning: dict,
-               feature_positions: list[int]) -> GuideRow | None:
+    def _guide(self, ids: list, params: SamplingParams, conditioning: dict, feature_positions: list[int],
+               cond_features: torch.Tensor | None) -> GuideRow | None:
         """The unconditioned row of a request with cfg_weight > 0 (refused for a model without guidance)."""
         if params.cfg_weight == 0:
             return None
@@ -82,12 +82,13 @@ class RequestValidator:
         if not same_rows:
             raise ValueError(f"{self.model.spec.name}: the unconditioned prompt must have the prompt's positions")
         features = self.model.unconditioned_features(conditioning)
-        if (0 if features is None else len(features)) != len(feature_positions):
-            raise InvalidRequest(f"the unconditioned row has {0 if features is None else len(features)} feature "
-                                 f"vectors for {len(feature_positions)} feature rows", field="prompt_ids")
-        vectors = None if features is None else torch.as_tensor(
-            np.asarray(features, dtype=np.float32), device=self.config.device).to(self.config.torch_dtype)
-        return GuideRow(prompt, vectors)
+        if features is None:  # the conditioned row's vectors, shared
+            return GuideRow(prompt, cond_features)
+        if len(features) != len(feature_positions):
+            raise InvalidRequest(f"the unconditioned row has {len(features)} feature vectors for "
+                                 f"{len(feature_positions)} feature rows", field="prompt_ids")
+        vectors = torch.as_tensor(np.asarray(features, dtype=np.float32), device=self.config.device)
+        return GuideRow(prompt, vectors.to(self.config.torch_dtype))
 
     def _check_prompt(self, prompt_ids, text_open: bool) -> tuple[list[int] | list[list[int]], object]:
         """Ids [L] for one-column models, rows [L, token_columns] (-1 = no entry) for multi-column ones; the

@@ -239,8 +239,9 @@ class SpeechModel:
         return prompt
 
     def unconditioned_features(self, conditioning: dict[str, np.ndarray]) -> np.ndarray | None:
-        """spec.guidance: the vectors of the unconditioned row's FEATURE rows. By default prompt_features'."""
-        return self.prompt_features(conditioning)
+        """spec.guidance: the vectors of the unconditioned row's FEATURE rows; None (the default): the conditioned
+        row's, which the engine then shares instead of computing them again."""
+        return None
 
     def default_sampling(self) -> SamplingParams:
         return SamplingParams()
