@@ -116,6 +116,18 @@ def test_online_near_its_limit_decodes_full_batches_in_arrival_order():
         ("s1", 1), ("f", 1)]
 
 
+def test_a_pace_reading_ends_with_the_streams_that_made_it():
+    """Slow streams set the near-limit reading; once they are gone a new stream's first window is decoded at once
+    (seen: a lone API stream got its first audio only with its last, after a slow stream on a busy machine)."""
+    now = 100.0
+    sched = _online(detok_batch=4, detok_pace_floor=1.6)
+    slow = _req("slow", 0, playing_since=90.0, audio_s=10.1)  # 1x real time
+    assert sched.schedule_detok([(slow, 1)], 2, now, False) == []  # near the limit: waits for a full batch
+    newcomer = _req("new", 1)
+    assert sched.schedule_detok([(newcomer, 1)], 2, now, False) == []  # the slow stream still runs: the reading stands
+    assert [(r.id, n) for r, n in sched.schedule_detok([(newcomer, 1)], 1, now, False)] == [("new", 1)]
+
+
 def test_online_detokenizer_runs_for_pressing_windows_and_fills_with_others():
     now = 100.0
     sched = _online(detok_batch=4)

@@ -61,7 +61,7 @@ class OnlinePolicy(Policy):
 
     def _detok_plan(self, ready: Plan, total: int, lm_requests: int, now: float) -> Plan:
         cap = self.config.detok_batch
-        if lm_requests and self._near_limit(ready, now):
+        if lm_requests and self._near_limit(ready, lm_requests, now):
             # near the limit the LM's time is what keeps streams playing; arrival order keeps the oldest ones
             # playing when not all can
             return full_batches(ready, lm_requests, cap)
@@ -82,14 +82,19 @@ class OnlinePolicy(Policy):
         p = r.playback
         return r.streaming and (p.first_chunk_at is None or p.buffer_s(now) < self.config.detok_margin_s)
 
-    def _near_limit(self, ready: Plan, now: float) -> bool:
+    def _near_limit(self, ready: Plan, lm_requests: int, now: float) -> bool:
         """The machine is near its limit: the streams are made barely faster than they play (their average pace
-        is below detok_pace_floor; when no ready stream has played long enough to tell, the last reading stands)
-        and windows come fast enough that a full codec batch forms within FULL_BATCH_WITHIN_S (waiting for one
-        costs listeners little; a device that is slow even with few streams keeps the rules for headroom)."""
+        is below detok_pace_floor; when no ready stream has played long enough to tell, the last reading stands
+        while other streams are on the LM) and windows come fast enough that a full codec batch forms within
+        FULL_BATCH_WITHIN_S (waiting for one costs listeners little; a device that is slow even with few streams
+        keeps the rules for headroom)."""
         paces = [p for r, _ in ready if (p := r.pace(now)) is not None]
         if paces:
             self.slow_pace = sum(paces) / len(paces) < self.config.pace_floor
+        elif lm_requests <= len(ready):
+            # only streams too young to tell are running: the streams that gave the last reading have ended, and
+            # a lone new stream must not wait for a full batch on their account
+            self.slow_pace = False
         batch_s = self.window_rate.seconds_for(self.config.detok_batch)
         self.near_limit = self.slow_pace and batch_s <= FULL_BATCH_WITHIN_S
         return self.near_limit
