@@ -62,7 +62,9 @@ class ServedModel:
     name: str  # the front model's name = registry kind; engine and preprocess models are named after it
     description: str
     default_checkpoint: str  # module:function() -> (model_dir, codec_dir), used when checkpoint is empty
-    preprocess_instances: int = 2
+    # one: the front model prepares its own requests, so this serves only clients that chain it to the engine
+    # themselves; each instance is a Python process with its own copy of the front end (raise it for such load)
+    preprocess_instances: int = 1
     text_streaming: bool = False  # the model takes text in pieces: serve <name>_text_stream too
 
     @property
