@@ -8,6 +8,11 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# One intra-op thread in every process of the run: the xdist workers (they inherit the controller's environment)
+# and every tritonserver stub, launcher and bench they start. Two workers plus a server's stubs share two cores;
+# with torch's default of one thread per core each, CPU tests ran up to 3x slower (test_mimi_parity: 22 s beside
+# a busy two-thread process, 8 s with one thread). Set it to run the suite with more.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
@@ -25,6 +30,18 @@ from tests.triton_util import COMMITTED  # noqa: E402  (after the cache is set: 
 def pytest_unconfigure(config):
     if _OWNS_CACHE and not hasattr(config, "workerinput"):
         shutil.rmtree(os.environ["VOXBACKEND_TEST_CACHE"], ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def default_threads():
+    """For modules whose checks are bit for bit against a reference that was shown equal at torch's default
+    intra-op threads (one per core), not at the run's one thread. Restored after the module."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
