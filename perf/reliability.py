@@ -776,7 +776,9 @@ def probe_cancel_storm(suite: Suite) -> list[Result]:
             problems.append(f"cancelled {i}: {short(out.error or out.finish_reason, 80)}")
         elif not i % 2 and intact(out):
             problems.append(f"kept {i}: {intact(out)}")
-    counted, _ = wait_until(lambda: (finished_by_reason(suite.metrics_url) - before)["cancelled"] >= 8, 10)
+    # 7: one hang-up in 8 may never show in the model's is_cancelled() (docs/reliability.md, "Cancellation"); that
+    # stream then runs to its length, and `settled` still needs every page back
+    counted, _ = wait_until(lambda: (finished_by_reason(suite.metrics_url) - before)["cancelled"] >= 7, 10)
     ended = finished_by_reason(suite.metrics_url) - before  # how the streams ended, by finish reason
     delta = ended["cancelled"]
     observed = (("; ".join(problems[:4]) if problems else "8 kept streams intact, 8 hung up after 2 chunks")
@@ -784,8 +786,8 @@ def probe_cancel_storm(suite: Suite) -> list[Result]:
                 + ("" if delta >= 8 else f" (the 16 ended: {', '.join(f'{n:g} {r}' for r, n in ended.items())})"))
     return [settled(suite, "cancel_storm",
                     "16 concurrent streams (12 through `orpheus`, 4 direct), every odd one cancelled "
-                    "after 2 chunks: the others finish intact, the engine counts 8 cancellations, pages and active "
-                    "streams back to 0", observed, not problems and counted, t0)]
+                    "after 2 chunks: the others finish intact, the engine counts at least 7 of the 8 cancellations, "
+                    "pages and active streams back to 0", observed, not problems and counted, t0, settle_s=60)]
 
 
 def probe_kill_running(suite: Suite) -> list[Result]:
