@@ -47,8 +47,9 @@ def ensure_default_checkpoints(repository: Path) -> None:
         print(f"default checkpoint: {model_dir} (codec {codec_dir})", flush=True)
 
 
-def repository_for(args: argparse.Namespace) -> Path:
-    """The repository as given, or a rendered copy when engine parameters are overridden or models chosen."""
+def repository_for(args: argparse.Namespace, work_dir: Path) -> Path:
+    """The repository as given, or a copy rendered into work_dir when engine parameters are overridden or models
+    chosen."""
     overrides = dict(kv.split("=", 1) for kv in args.set)
     models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
     if args.checkpoint:
@@ -57,7 +58,7 @@ def repository_for(args: argparse.Namespace) -> Path:
         overrides["codec"] = str(Path(args.codec).resolve())
     if not overrides and not models:
         return Path(args.model_repository)
-    dest = Path(args.work_dir or tempfile.mkdtemp(prefix="voxbackend-")) / "model_repository"
+    dest = work_dir / "model_repository"
     try:
         configs.write_repository(dest, overrides, source=Path(args.model_repository), models=models)
     except ValueError as e:  # e.g. --checkpoint without saying which model it is
@@ -67,12 +68,15 @@ def repository_for(args: argparse.Namespace) -> Path:
 
 
 def make_server(args: argparse.Namespace) -> TritonServer:
-    repository = repository_for(args)
+    """The server for serve and demo; without --work-dir its rendered repository, backend folder and log live in
+    a temporary folder that close() removes."""
+    work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="voxbackend-"))
+    repository = repository_for(args, work_dir)
     ensure_default_checkpoints(repository)
     return TritonServer(repository, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                         metrics_port=args.metrics_port, log_verbose=args.log_verbose,
                         log_file=Path(args.log_file) if args.log_file else None,
-                        work_dir=Path(args.work_dir) if args.work_dir else None)
+                        work_dir=work_dir, remove_work_dir=not args.work_dir)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -134,6 +138,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not client.is_file():
         print("demo needs a source checkout (clients/tts_stream.py)", file=sys.stderr)
         return 2
+    # only the model it speaks (--models widens it): loading every model took 110 s against 35 s, and their
+    # engines' start-up work stalled the one stream
+    args.models = args.models or args.model.removesuffix("_engine")
     with make_server(args) as server:
         if args.api:
             return demo_through_api(args, server)
@@ -205,7 +212,8 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--work-dir", help="where the backend folder, rendered repository and log go")
+    p.add_argument("--work-dir", help="where the backend folder, rendered repository and log go (default: a "
+                   "temporary folder, removed when the server stops)")
     p.add_argument("--log-file")
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")

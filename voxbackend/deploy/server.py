@@ -140,6 +140,7 @@ class TritonServer:
     log_verbose: int = 0
     extra_args: list[str] = field(default_factory=list)
     work_dir: Path | None = None  # backend directory lives here (default: a temporary folder)
+    remove_work_dir: bool = False  # close() removes work_dir (a temporary one given by the caller)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the server and its stubs
 
     def __post_init__(self) -> None:
@@ -366,6 +367,8 @@ class TritonServer:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+        elif self.remove_work_dir and self.work_dir is not None:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
         return code
 
     def __enter__(self) -> "TritonServer":
