@@ -12,8 +12,13 @@ Triton sequence on one gRPC stream, and TTFA is measured from the first piece se
     my_llm | python -m clients.tts_stream --model qwen3_tts_text_stream --stdin --out reply.wav  # a line = a piece
 
 Prints time to first audio (TTFA), chunks, stalls and on-time chunks (docs/metrics.md), audio seconds and
-"x real time" (audio seconds / wall seconds, higher is better). Works with the `orpheus` model (AUDIO is
-encoded bytes, PCM16 or float32) and with `orpheus_engine` directly (AUDIO is float32 samples).
+"x real time" (audio seconds / wall seconds, higher is better). Works with every front model (`orpheus`, `csm`,
+`qwen3_tts`, `cosyvoice2`, `chatterbox`, `chatterbox_turbo`: AUDIO is encoded bytes, PCM16 or float32), with
+their `<model>_engine` directly (AUDIO is float32 samples) and with the `<model>_text_stream` models.
+
+On the tiny default checkpoints (random weights) a model rarely picks its end token, so a request runs to its
+MAX_TOKENS: pass --max-tokens (e.g. 140 for Orpheus, about 1.7 s of audio) unless you want the model's maximum.
+After an error or --timeout the audio received so far is still written, and said to be partial.
 """
 from __future__ import annotations
 
@@ -82,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address")
     ap.add_argument("--model", default="orpheus",
-                    help="orpheus, csm, qwen3_tts, cosyvoice2 or chatterbox, or orpheus_engine / csm_engine")
+                    help="a front model (orpheus, csm, qwen3_tts, cosyvoice2, chatterbox, chatterbox_turbo), its "
+                    "<model>_engine, or qwen3_tts_text_stream / cosyvoice2_text_stream with --text-pieces or --stdin")
     ap.add_argument("--text", default="Hello there, this is a streaming speech server.")
     ap.add_argument("--text-pieces", default=None,
                     help='the text in pieces, "piece1|piece2|..." (a <model>_text_stream model): one Triton sequence')
@@ -119,11 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     print(report(out) + (" | TTFA from the first piece" if a.text_pieces is not None or a.stdin else ""))
     for message in out.piece_errors:
         print(f"piece refused: {message}", file=sys.stderr)
+    if out.chunks:  # after an error or a timeout too: what was received, said to be partial
+        write_wav(a.out, out.audio, out.sample_rate or 24000)
+        seconds = out.audio.size / (out.sample_rate or 24000)
+        print(f"wrote {a.out} ({out.sample_rate} Hz, {seconds:.1f} s" + (", partial: the stream ended with the "
+              "error below)" if out.error else ")"))
     if out.error:
         print(f"error: {out.error}", file=sys.stderr)
         return 1
-    write_wav(a.out, out.audio, out.sample_rate or 24000)
-    print(f"wrote {a.out} ({out.sample_rate} Hz)")
+    if not out.chunks:
+        print("no audio received; nothing written", file=sys.stderr)
     return 0
 
 

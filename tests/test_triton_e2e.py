@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import soundfile as sf
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,6 +218,25 @@ def test_cancelling_half_of_16_streams_leaves_the_rest_intact_and_frees_kv(serve
                     >= 7, timeout=45.0), f"cancellations lost: {finished_by_reason(server)}"
     assert wait_for(lambda: metric(server, "voxbackend_kv_pages_used") == 0
                     and metric(server, "voxbackend_active_streams") == 0, timeout=60.0), "KV pages or streams left"
+
+
+def test_a_client_that_times_out_writes_what_it_got_and_the_server_frees_the_stream(server, tmp_path):
+    """clients.tts_stream --timeout: the audio received is written and called partial, the exit is 1, and the
+    hang-up frees the stream's pages within about a second (the model polls is_cancelled() every 0.1 s; the gauges
+    are sampled every 0.25 s). 1200 tokens take 5.8 s in-process on an idle machine: a 3 s timeout cuts the
+    stream after its first audio and before its end."""
+    from clients.tts_stream import main as tts_stream_main
+
+    out = tmp_path / "partial.wav"
+    code = tts_stream_main(["--url", server.grpc_url, "--model", "orpheus", "--text", TEXTS[2], "--seed", "3",
+                            "--top-k", str(TOP_K), "--max-tokens", "1200", "--timeout", "3", "--out", str(out)])
+    left = time.monotonic()
+    assert code == 1
+    audio, rate = sf.read(out, dtype="float32")
+    assert rate == 24000 and 0 < audio.size < 1200 / 7 * 2048  # some of the 1200 tokens' audio, not all
+    assert wait_for(lambda: metric(server, "voxbackend_active_streams", model="orpheus") == 0
+                    and metric(server, "voxbackend_kv_pages_used", model="orpheus") == 0, timeout=10.0)
+    assert time.monotonic() - left < 3.0, "the stream outlived its client by more than the poll intervals"
 
 
 # ---------------------------------------------------------------- metrics and perf_analyzer
