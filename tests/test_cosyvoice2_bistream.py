@@ -207,3 +207,27 @@ def test_streamed_text_is_refused_naming_the_field(engine, voice):
         engine.submit(m.build_prompt([1, 2], [], [], np.zeros((0, 80), np.float32), voice.embedding.numpy()),
                       GREEDY, text_open=True)
     assert e.value.field == "prompt_ids"
+
+
+def test_a_streamed_text_stops_at_the_whole_texts_length_rule(ckpt, voice):
+    """The tiny checkpoint without the fill bias never picks the fill (so never pulls the next piece) nor the end
+    id: the request stops ("length") at 20 x the text tokens received (transcript included), not at the context
+    budget."""
+    import voxbackend
+
+    engine = voxbackend.load(ckpt.parent / "base")
+    m = engine.model
+    pieces = cut(m.text_tokenizer.encode(TEXTS[2]), random.Random(3))
+    transcript = m.text_tokenizer.encode("Hi.")  # a short one: each text token is 20 steps here
+    ended = {}
+    rid = engine.submit(m.build_bistream_prompt(pieces[0], transcript, [], np.zeros((0, 80), np.float32),
+                                                voice.embedding.numpy()),
+                        dataclasses.replace(GREEDY, max_tokens=5000), lambda e: e.final and ended.update(e=e),
+                        streaming=False, text_open=True)
+    for k, piece in enumerate(pieces[1:]):
+        engine.append_text(rid, piece, final=k == len(pieces) - 2)
+    while "e" not in ended:
+        engine.step()
+    text_ids = len(transcript) + sum(map(len, pieces))
+    assert ended["e"].finish_reason == "length" and len(ended["e"].token_ids) == 20 * text_ids
+    assert engine.pool.free_pages == engine.pool.num_pages

@@ -40,7 +40,8 @@ class Output:
             r.codec.codes.extend(self.model.codes_from_step(step, len(r.codec.codes)))
             if self.model.ends(step, r.lm.track):
                 self._lm_finished(r, "stop")
-            elif len(r.lm.output_ids) >= r.sampling.max_tokens:
+            elif len(r.lm.output_ids) >= min(r.sampling.max_tokens,
+                                             self.model.track_max_tokens(r.lm.track) or r.sampling.max_tokens):
                 self._lm_finished(r, "length")
             else:
                 r.lm.awaiting_input = True

@@ -285,6 +285,11 @@ class SpeechModel:
         """is_stop for a request with this track (a track may make a stop id an ordinary step)."""
         return self.is_stop(step)
 
+    def track_max_tokens(self, track: Any) -> int | None:
+        """A length limit the track sets as its text arrives (a streamed text's length rule), or None. The engine
+        ends the request ("length") at the smaller of it and the request's max_tokens."""
+        return None
+
     def codes_from_step(self, step: int | list[int], codes_so_far: int) -> list[int]:
         """The codec codes one generated step contributes (empty for text, control or stop tokens)."""
         return []

@@ -227,6 +227,14 @@ class CosyVoice2Frontend(SpeechModel):
     def next_inputs(self, step: int | None, track: BistreamTrack | None) -> list[int] | None:
         return [step] if track is None else self.bistream.next_inputs(step, track)
 
+    def track_max_tokens(self, track: BistreamTrack | None) -> int | None:
+        """Ours, not upstream's (whose bistream has no length rule): a streamed utterance gets at most the whole
+        text's max_len, 20 x the text tokens received so far (the prompt transcript counted too: a streamed prompt
+        does not tell them apart). Upstream pulls the next piece only when the LM picks the fill token; one that
+        never does (the tiny random checkpoint) generated on the first piece up to MAX_TOKENS, at 0.15x real time,
+        never reading the rest. A model that picks fills waits for text every 15 tokens and stays far below."""
+        return int(track.text_ids * MAX_TOKEN_TEXT_RATIO) if track is not None else None
+
     def ends(self, step: int, track: BistreamTrack | None) -> bool:
         # while the text streams the end ids are excluded and the fill is an ordinary step (constrain_logits)
         return self.is_stop(step) if track is None or track.final else False
