@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cosyvoice_oracle import upstream_cosyvoice2_model, upstream_qwen2lm
+from util_engine_drive import run_staggered
 from voxbackend.engine.detokenize import window_seed
 from voxbackend.errors import InvalidRequest
 from voxbackend.models.base import Prompt
@@ -136,22 +137,10 @@ def test_greedy_tokens_run_to_max_len_like_upstream(endless, voice):
 
 def test_greedy_tokens_batched_with_staggered_arrivals_equal_upstream(engine, voice, reference_lm):
     todo = cases(engine, voice) * 2
-    done: dict[str, list[int]] = {}
-
-    def on_event(e):
-        if e.final:
-            done[e.request_id] = e.token_ids
-
-    ids, step = [], 0
-    while len(done) < len(todo):
-        if step % 3 == 0 and len(ids) < len(todo):  # a new request every third engine step
-            text_ids, prompt_text, speech, feat, emb = todo[len(ids)]
-            ids.append(engine.submit(engine.model.build_prompt(text_ids, prompt_text, speech, feat, emb), GREEDY,
-                                     on_event, streaming=False))
-        engine.step()
-        step += 1
-    for rid, (text_ids, prompt_text, speech, _, _) in zip(ids, todo):
-        assert speech_codes(engine, done[rid]) == reference_tokens(reference_lm, text_ids, prompt_text, speech)
+    prompts = [engine.model.build_prompt(*case) for case in todo]
+    got = run_staggered(engine, prompts, GREEDY, every=3)  # a new request every third engine step
+    for steps, (text_ids, prompt_text, speech, _, _) in zip(got, todo):
+        assert speech_codes(engine, steps) == reference_tokens(reference_lm, text_ids, prompt_text, speech)
 
 
 @pytest.fixture(scope="module")
