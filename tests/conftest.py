@@ -32,16 +32,21 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ["VOXBACKEND_TEST_CACHE"], ignore_errors=True)
 
 
+def _torch_threads(n: int):
+    """For `yield from` in a fixture: torch's intra-op threads set to n, restored afterwards."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def default_threads():
     """For modules whose checks are bit for bit against a reference that was shown equal at torch's default
     intra-op threads (one per core), not at the run's one thread. Restored after the module."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    yield
-    torch.set_num_threads(threads)
+    yield from _torch_threads(os.cpu_count() or 1)
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +54,7 @@ def one_thread():
     """For modules of tiny tensors (`pytestmark = pytest.mark.usefixtures("one_thread")`): with intra-op threads
     every small op pays a fan-out, and on a shared 2-core machine a stalled thread (measured: 1-frame Qwen3-TTS
     codec windows 20x slower with 2 threads than with 1). Restored after the module."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from _torch_threads(1)
 
 
 @pytest.fixture(scope="session")
