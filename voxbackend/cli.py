@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Callable
 
 from voxbackend.deploy import configs
 from voxbackend.triton.loading import import_object
@@ -67,6 +68,15 @@ def repository_for(args: argparse.Namespace, work_dir: Path) -> Path:
     return dest
 
 
+def progress_printer() -> Callable[[str], None] | None:
+    """print, where progress lines are wanted: stdout is a terminal, or VOXBACKEND_PROGRESS=1 (0: never). Nowhere
+    else: scripts and tests parse what serve and demo print."""
+    wanted = os.environ.get("VOXBACKEND_PROGRESS", "")
+    if wanted == "1" or (not wanted and sys.stdout.isatty()):
+        return lambda line: print(line, flush=True)
+    return None
+
+
 def make_server(args: argparse.Namespace) -> TritonServer:
     """The server for serve and demo; without --work-dir its rendered repository, backend folder and log live in
     a temporary folder that close() removes."""
@@ -76,7 +86,7 @@ def make_server(args: argparse.Namespace) -> TritonServer:
     return TritonServer(repository, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                         metrics_port=args.metrics_port, log_verbose=args.log_verbose,
                         log_file=Path(args.log_file) if args.log_file else None,
-                        work_dir=work_dir, remove_work_dir=not args.work_dir)
+                        work_dir=work_dir, remove_work_dir=not args.work_dir, progress=progress_printer())
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -219,7 +229,7 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="voxbackend", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -254,10 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg.set_defaults(func=lambda a: configs.main(["--check"] if a.check else []))
     sub.add_parser("perf-analyzer", help="run perf_analyzer with libcudart on LD_LIBRARY_PATH; every argument "
                    "after it goes to perf_analyzer (--help included)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["perf-analyzer"]:
         return run_perf_analyzer(argv[1:])
-    args = ap.parse_args(argv)
+    args = parser().parse_args(argv)
     return args.func(args)
 
 

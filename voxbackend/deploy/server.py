@@ -19,6 +19,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from voxbackend.triton.cancel_channel import send_shutdown
 
@@ -127,6 +128,44 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+_LOADING = re.compile(r'"loading: (.+):\d+"')  # tritonserver's log lines, at every --log-verbose
+_LOADED = re.compile(r"\"successfully loaded '([^']+)'")
+
+
+class LoadProgress:
+    """How far a starting tritonserver is with loading its models, read from its log: Triton opens its HTTP port,
+    repository index included, only once every model has loaded, so the log is the one place that shows it.
+
+    poll() says a line when the number of ready models changed, or every every_s seconds otherwise, e.g.
+    `loading models: 3/11 ready (orpheus, orpheus_engine, csm) 24 s`: the names are those ready since the last line.
+    """
+
+    def __init__(self, log_file: Path, offset: int, say: Callable[[str], None], every_s: float = 5.0) -> None:
+        self.log_file, self.offset, self.say, self.every_s = Path(log_file), offset, say, every_s
+        self.t0 = self.said_at = time.monotonic()
+        self.models: set[str] = set()
+        self.ready: list[str] = []
+        self.shown = -1  # ready models at the last line (-1: none yet; the first says the total at once)
+
+    def poll(self) -> None:
+        with open(self.log_file, "rb") as f:
+            f.seek(self.offset)
+            text = f.read()
+        text = text[:text.rfind(b"\n") + 1]  # whole lines only: the server may be writing one
+        self.offset += len(text)
+        for line in text.decode(errors="replace").splitlines():
+            if m := _LOADING.search(line):
+                self.models.add(m.group(1))
+            elif (m := _LOADED.search(line)) and m.group(1) not in self.ready:
+                self.ready.append(m.group(1))
+        now = time.monotonic()
+        if self.models and (len(self.ready) != self.shown or now - self.said_at >= self.every_s):
+            new = self.ready[max(self.shown, 0):]
+            self.say(f"loading models: {len(self.ready)}/{len(self.models | set(self.ready))} ready"
+                     + (f" ({', '.join(new)})" if new else "") + f" {now - self.t0:.0f} s")
+            self.shown, self.said_at = len(self.ready), now
+
+
 @dataclass
 class TritonServer:
     """One tritonserver process. Ports of 0 are replaced by free ones at start."""
@@ -142,6 +181,8 @@ class TritonServer:
     work_dir: Path | None = None  # backend directory lives here (default: a temporary folder)
     remove_work_dir: bool = False  # close() removes work_dir (a temporary one given by the caller)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the server and its stubs
+    # told how model loading goes while start() waits (LoadProgress lines; `voxbackend serve` on a terminal)
+    progress: Callable[[str], None] | None = None
 
     def __post_init__(self) -> None:
         self.proc: subprocess.Popen | None = None
@@ -196,6 +237,7 @@ class TritonServer:
         if self.log_file is None:
             self.log_file = Path(self.work_dir) / "tritonserver.log"
         self._log = open(self.log_file, "ab")
+        self._log_start = Path(self.log_file).stat().st_size  # this run's lines follow those of earlier runs
         self.proc = subprocess.Popen(
             self.command(install, backend_dir), env={**server_env(install), **self.env}, stdout=self._log,
             stderr=subprocess.STDOUT, start_new_session=True)  # own process group: stop() can end the stubs too
@@ -215,10 +257,17 @@ class TritonServer:
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        loading = LoadProgress(self.log_file, self._log_start, self.progress) if self.progress else None
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if self.ready():
+            up = self.ready()
+            if loading is not None:  # after ready(): the last line shows every model ready
+                try:
+                    loading.poll()
+                except Exception:
+                    loading = None  # progress is a courtesy: it never holds up or breaks a start
+            if up:
                 return
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s:\n{self.log_tail()}")
