@@ -177,9 +177,10 @@ class CausalConditionalDecoder(nn.Module):
                 cond: torch.Tensor, streaming: torch.Tensor, r: torch.Tensor | None = None) -> torch.Tensor:
         """x, mu, cond: (B, 80, T); mask: (B, 1, T) float, a prefix of ones; t: (B,); spks: (B, 80); streaming: (B,);
         r: (B,) the step's end time (meanflow only)."""
-        temb = self.time_mlp(timestep_features(t, self.cfg.in_channels).to(t.dtype))
+        # the time features from float32 t (a bfloat16 t would move the step by up to 0.4%), then the model's dtype
+        temb = self.time_mlp(timestep_features(t.float(), self.cfg.in_channels).to(x.dtype))
         if self.cfg.meanflow:
-            remb = self.time_mlp(timestep_features(r, self.cfg.in_channels).to(t.dtype))
+            remb = self.time_mlp(timestep_features(r.float(), self.cfg.in_channels).to(x.dtype))
             temb = self.time_embed_mixer(torch.cat([temb, remb], dim=1))
         h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.size(-1)), cond], dim=1)
         skips, masks = [], [mask]

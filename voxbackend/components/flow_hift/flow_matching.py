@@ -113,16 +113,18 @@ class FlowMatching(nn.Module):
         cond = torch.zeros_like(mu)
         for i, r in enumerate(rows):
             cond[i, :, :r.prompt_feat.size(0)] = r.prompt_feat.to(device, dtype).T
-        mel = self._solve(self.noise[:, :, :t_max].expand(n_rows, -1, -1).to(dtype) * mask,
+        mel = self._solve(self.noise[:, :, :t_max].expand(n_rows, -1, -1).float() * mask.float(),
                           mu, mask, spks, cond, streaming)
         return [mel[i, :, r.prompt_feat.size(0):int(frames[i])].float() for i, r in enumerate(rows)]
 
+    # The ODE's state x and its time steps stay float32 in a bfloat16 model (only the estimator runs in the model's
+    # dtype): ten Euler sums of bfloat16 velocities into a bfloat16 state lose the mel's low bits step by step.
     def _solve(self, x, mu, mask, spks, cond, streaming) -> torch.Tensor:
-        """Euler steps on a cosine time schedule; guidance v = (1 + w) v(cond) - w v(uncond)."""
+        """Euler steps on a cosine time schedule; guidance v = (1 + w) v(cond) - w v(uncond). x: float32."""
         cfg = self.cfg
         if cfg.estimator.meanflow:
             return self._solve_meanflow(x, mu, mask, spks, cond, streaming)
-        t_span = torch.linspace(0, 1, cfg.n_timesteps + 1, device=x.device, dtype=x.dtype)
+        t_span = torch.linspace(0, 1, cfg.n_timesteps + 1, device=x.device, dtype=torch.float32)
         t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
         t, dt = t_span[0], t_span[1] - t_span[0]
         zeros = torch.zeros_like
@@ -131,7 +133,8 @@ class FlowMatching(nn.Module):
                                     torch.cat([streaming, streaming]))
         b = x.size(0)
         for step in range(1, len(t_span)):
-            v = self.decoder.estimator(torch.cat([x, x]), mask2, mu2, t.expand(2 * b), spks2, cond2, streaming2)
+            v = self.decoder.estimator(torch.cat([x, x]).to(mu.dtype), mask2, mu2, t.expand(2 * b), spks2, cond2,
+                                       streaming2).float()
             v_cond, v_uncond = v[:b], v[b:]
             x = x + dt * ((1.0 + cfg.cfg_rate) * v_cond - cfg.cfg_rate * v_uncond)
             t = t + dt
@@ -142,9 +145,10 @@ class FlowMatching(nn.Module):
     def _solve_meanflow(self, x, mu, mask, spks, cond, streaming) -> torch.Tensor:
         """Euler steps on a linear schedule, each told its end time; no guidance (the mean-flow model was
         distilled from guided outputs)."""
-        t_span = torch.linspace(0, 1, self.cfg.n_timesteps + 1, device=x.device, dtype=x.dtype)
+        t_span = torch.linspace(0, 1, self.cfg.n_timesteps + 1, device=x.device, dtype=torch.float32)
         b = x.size(0)
         for t, r in zip(t_span[:-1], t_span[1:]):
-            v = self.decoder.estimator(x, mask, mu, t.expand(b), spks, cond, streaming, r=r.expand(b))
+            v = self.decoder.estimator(x.to(mu.dtype), mask, mu, t.expand(b), spks, cond, streaming,
+                                       r=r.expand(b)).float()
             x = x + (r - t) * v
         return x

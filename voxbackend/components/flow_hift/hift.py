@@ -151,7 +151,7 @@ class SourceModule(nn.Module):
         sines = torch.sin(phase) * cfg.nsf_alpha
         uv = (f0 > cfg.nsf_voiced_threshold).to(f0.dtype)
         noise = (uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3) * noise
-        return torch.tanh(self.l_linear(sines * uv + noise))
+        return torch.tanh(self.l_linear((sines * uv + noise).to(self.l_linear.weight.dtype)))
 
     def _per_sample(self, f0: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
         cfg = self.cfg
@@ -198,25 +198,46 @@ class HiFTGenerator(nn.Module):
             for i in range(n_up) for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes))
         self.conv_post = nn.Conv1d(base // 2 ** n_up, cfg.n_fft + 2, 7, 1, padding=3)
         self.f0_predictor = F0Predictor(cfg.mel_bins, cfg.f0_channels)
-        self.register_buffer("stft_window", torch.hann_window(cfg.n_fft, periodic=True), persistent=False)
+        # the STFT and iSTFT stay float32 in a bfloat16 model: neither MKL's FFT nor cuFFT takes bfloat16, and a
+        # bfloat16 window or magnitude (exp of the conv output) would cost the audio ~8 bits. Kept out of the
+        # module's buffers so that .to(dtype) leaves it float32.
+        self.stft_window = torch.hann_window(cfg.n_fft, periodic=True)
+
+    def _apply(self, fn, recurse=True):
+        """Moves reach every part; dtype casts (.to(dtype), .bfloat16()) all but the F0 predictor and conv_post,
+        which stay float32 with their weights never rounded. The source's phase is a running sum of the F0 over
+        the window, so an F0 0.1% off puts the harmonics out of phase within a second; conv_post's phase half goes
+        through sin() of values up to ~100, where bfloat16's step is 0.5."""
+        float32 = (self.f0_predictor, self.conv_post)
+
+        def move_only(t: torch.Tensor) -> torch.Tensor:
+            moved = fn(t)
+            return moved if moved.dtype == t.dtype else t.to(moved.device)
+
+        if recurse:
+            for child in self.children():
+                child._apply(move_only if any(child is m for m in float32) else fn)
+        return super()._apply(fn, recurse=False)
 
     @torch.inference_mode()
     def forward(self, mel: torch.Tensor, generators: list[torch.Generator],
                 cache_source: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """mel: (B, mel_bins, T). Returns speech (B, T * samples_per_frame) and the excitation (B, 1, same)."""
-        f0 = self.f0_predictor(mel)
+        """mel: (B, mel_bins, T), float32 (the F0 comes from it). Returns speech (B, T * samples_per_frame) and the
+        excitation (B, 1, same), float32."""
+        f0 = self.f0_predictor(mel.float())
         f0 = f0.repeat_interleave(self.cfg.samples_per_frame, dim=1).unsqueeze(-1)
         source = self.m_source(f0, generators).transpose(1, 2)
         for i, cached in enumerate(cache_source):
             if cached is not None and cached.size(-1):
                 source[i, :, :cached.size(-1)] = cached.to(source)
-        return self._decode(mel, source), source
+        return self._decode(mel.to(self.conv_pre.weight.dtype), source), source
 
     def _decode(self, x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        spec = torch.view_as_real(torch.stft(source.squeeze(1), cfg.n_fft, cfg.hop_len, cfg.n_fft,
-                                             window=self.stft_window, return_complex=True))
-        s_stft = torch.cat([spec[..., 0], spec[..., 1]], dim=1)
+        window = self.stft_window.to(x.device)
+        spec = torch.view_as_real(torch.stft(source.squeeze(1).float(), cfg.n_fft, cfg.hop_len, cfg.n_fft,
+                                             window=window, return_complex=True))
+        s_stft = torch.cat([spec[..., 0], spec[..., 1]], dim=1).to(x.dtype)
         x = self.conv_pre(x)
         n_kernels = len(cfg.resblock_kernel_sizes)
         for i, up in enumerate(self.ups):
@@ -225,10 +246,10 @@ class HiFTGenerator(nn.Module):
                 x = F.pad(x, (1, 0), mode="reflect")
             x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
             x = sum(self.resblocks[i * n_kernels + j](x) for j in range(n_kernels)) / n_kernels
-        x = self.conv_post(F.leaky_relu(x))
+        x = self.conv_post(F.leaky_relu(x).float())
         half = cfg.n_fft // 2 + 1
         magnitude = torch.exp(x[:, :half]).clip(max=1e2)
         phase = torch.sin(x[:, half:])
         spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        audio = torch.istft(spec, cfg.n_fft, cfg.hop_len, cfg.n_fft, window=self.stft_window)
+        audio = torch.istft(spec, cfg.n_fft, cfg.hop_len, cfg.n_fft, window=window)
         return audio.clamp(-cfg.audio_limit, cfg.audio_limit)

@@ -235,9 +235,8 @@ class Token2Wav:
         for i, mel in mel_in.items():
             groups.setdefault(mel.size(1), []).append(i)
         device = next(self.hift.parameters()).device
-        dtype = next(self.hift.parameters()).dtype
         for members in groups.values():
-            mel = torch.stack([mel_in[i] for i in members]).to(device, dtype)
+            mel = torch.stack([mel_in[i] for i in members]).to(device, torch.float32)  # HiFT casts what it needs
             caches = [streams[i].hift_cache for i in members]
             speech, source = self.hift(mel, [streams[i].generator for i in members],
                                        [c.source if c is not None else None for c in caches])
