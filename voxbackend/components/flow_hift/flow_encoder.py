@@ -163,15 +163,16 @@ class UpsampleConformerEncoder(nn.Module):
         self.after_norm = nn.LayerNorm(cfg.size, eps=1e-5)
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor, context_lens: torch.Tensor,
-                streaming: torch.Tensor) -> torch.Tensor:
+                streaming: torch.Tensor, max_length: int | None = None) -> torch.Tensor:
         """x: (B, T, C) token embeddings, row b = lengths[b] tokens then context_lens[b] lookahead tokens.
-        streaming: (B,) bool. Returns (B, upsample * max(lengths), C); row b is valid for upsample * lengths[b]."""
+        streaming: (B,) bool; max_length: max(lengths) when the caller knows it (else read back from the device).
+        Returns (B, upsample * max(lengths), C); row b is valid for upsample * lengths[b]."""
         cfg = self.cfg
         pos = torch.arange(x.size(1), device=x.device)
         h = self.embed(x)
         # the reference pads the lookahead with zeros *after* the embedding: zero what lies past the context
         h = h * (pos[None, :] < (lengths + context_lens)[:, None]).unsqueeze(-1).to(h.dtype)
-        t = int(lengths.max())
+        t = int(lengths.max()) if max_length is None else max_length
         h = self.pre_lookahead_layer(h, t)
         mask = chunk_attention_mask(lengths, t, cfg.chunk_size, streaming)
         table = relative_position_table(t, cfg.size, x.device, h.dtype)

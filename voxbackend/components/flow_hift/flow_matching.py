@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from voxbackend.components.flow_hift.flow_encoder import EncoderConfig, UpsampleConformerEncoder
 from voxbackend.components.flow_hift.flow_estimator import CausalConditionalDecoder, EstimatorConfig
+from voxbackend.ints import long_tensor
 
 
 @dataclass(frozen=True)
@@ -86,26 +87,28 @@ class FlowMatching(nn.Module):
         cfg, device = self.cfg, self.noise.device
         ratio, lookahead = cfg.token_mel_ratio, cfg.pre_lookahead_len
         n_rows = len(rows)
-        context = torch.tensor([0 if r.finalize else lookahead for r in rows], device=device)
-        total = torch.tensor([len(r.tokens) for r in rows], device=device)
-        lengths = total - context
-        if int(lengths.min()) <= 0:
+        # the sizes from the host's lists: reading them back from device tensors would wait for the device
+        context_n = [0 if r.finalize else lookahead for r in rows]
+        total_n = [len(r.tokens) for r in rows]
+        frames_n = [(t - c) * ratio for t, c in zip(total_n, context_n)]
+        if min(frames_n) <= 0:
             raise ValueError("every flow row needs at least one token besides its lookahead context")
-        frames = lengths * ratio
-        if int(frames.max()) > cfg.max_frames:
-            raise ValueError(f"{int(frames.max())} mel frames exceed the noise buffer ({cfg.max_frames})")
+        t_max = max(frames_n)
+        if t_max > cfg.max_frames:
+            raise ValueError(f"{t_max} mel frames exceed the noise buffer ({cfg.max_frames})")
+        context, total = long_tensor(context_n, device), long_tensor(total_n, device)
+        lengths, frames = total - context, long_tensor(frames_n, device)
         streaming = torch.tensor([r.streaming and cfg.chunk_attention for r in rows], device=device)
-        tokens = torch.zeros(n_rows, int(total.max()), dtype=torch.long, device=device)
+        tokens = torch.zeros(n_rows, max(total_n), dtype=torch.long, device=device)
         for i, r in enumerate(rows):
             tokens[i, :len(r.tokens)] = r.tokens.to(device)
         dtype = self.input_embedding.weight.dtype
         valid = (torch.arange(tokens.size(1), device=device)[None] < total[:, None]).unsqueeze(-1).to(dtype)
         x = self.input_embedding(tokens.clamp(min=0)) * valid
         if cfg.encode_lookahead:
-            h = self.encoder(x, total, torch.zeros_like(context), streaming)
+            h = self.encoder(x, total, torch.zeros_like(context), streaming, max(total_n))
         else:
-            h = self.encoder(x, lengths, context, streaming)
-        t_max = int(frames.max())
+            h = self.encoder(x, lengths, context, streaming, t_max // ratio)
         mu = self.encoder_proj(h[:, :t_max]).transpose(1, 2).contiguous()   # (B, mel, T)
         mask = (torch.arange(t_max, device=device)[None] < frames[:, None]).to(dtype).unsqueeze(1)
         spks = self.spk_embed_affine_layer(
@@ -115,7 +118,7 @@ class FlowMatching(nn.Module):
             cond[i, :, :r.prompt_feat.size(0)] = r.prompt_feat.to(device, dtype).T
         mel = self._solve(self.noise[:, :, :t_max].expand(n_rows, -1, -1).float() * mask.float(),
                           mu, mask, spks, cond, streaming)
-        return [mel[i, :, r.prompt_feat.size(0):int(frames[i])].float() for i, r in enumerate(rows)]
+        return [mel[i, :, r.prompt_feat.size(0):frames_n[i]].float() for i, r in enumerate(rows)]
 
     # The ODE's state x and its time steps stay float32 in a bfloat16 model (only the estimator runs in the model's
     # dtype): ten Euler sums of bfloat16 velocities into a bfloat16 state lose the mel's low bits step by step.

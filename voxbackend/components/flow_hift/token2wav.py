@@ -43,6 +43,7 @@ from voxbackend.components.flow_hift.flow_estimator import EstimatorConfig
 from voxbackend.components.flow_hift.flow_matching import FlowConfig, FlowMatching, FlowRow
 from voxbackend.components.flow_hift.hift import HiFTConfig, HiFTGenerator, fold_weight_norm
 from voxbackend.errors import InvalidRequest
+from voxbackend.ints import to_host
 
 
 @dataclass(frozen=True)
@@ -205,8 +206,8 @@ class Token2Wav:
             flow_of[i] = len(rows)
             rows.append(FlowRow(tokens, s.prompt_feat, s.embedding, finalize=kind == "final",
                                 streaming=kind == "window"))
-        mels = self.flow(rows) if rows else []
-        new_mel = [mels[flow_of[i]][:, s.token_offset * ratio:].cpu() if i in flow_of else None
+        mels = to_host(self.flow(rows)) if rows else []  # the mel caches and cross-fades live on the host
+        new_mel = [mels[flow_of[i]][:, s.token_offset * ratio:] if i in flow_of else None
                    for i, s in enumerate(streams)]
         audio = self._vocode(streams, kinds, new_mel)
         for s, kind in zip(streams, kinds):
@@ -235,14 +236,18 @@ class Token2Wav:
         for i, mel in mel_in.items():
             groups.setdefault(mel.size(1), []).append(i)
         device = next(self.hift.parameters()).device
+        rows, speeches, sources = [], [], []
         for members in groups.values():
             mel = torch.stack([mel_in[i] for i in members]).to(device, torch.float32)  # HiFT casts what it needs
             caches = [streams[i].hift_cache for i in members]
             speech, source = self.hift(mel, [streams[i].generator for i in members],
                                        [c.source if c is not None else None for c in caches])
-            for row, i in enumerate(members):
-                out[i] = self._emit(streams[i], kinds[i], mel_in[i], speech[row].float().cpu(),
-                                    source[row].float().cpu())
+            rows += members
+            speeches += list(speech)
+            sources += list(source)
+        host = to_host(speeches + sources)  # every group's speech and excitation in one copy
+        for row, i in enumerate(rows):
+            out[i] = self._emit(streams[i], kinds[i], mel_in[i], host[row], host[len(rows) + row])
         return out
 
     def _emit(self, s: DecodeStream, kind: str, mel: torch.Tensor, speech: torch.Tensor,

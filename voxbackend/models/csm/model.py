@@ -30,6 +30,7 @@ from voxbackend.components.mimi.decoder import MimiDecoder
 from voxbackend.components.mimi.encoder import MimiEncoder
 from voxbackend.components.mimi.weights import frame_size, read_codec_config
 from voxbackend.errors import InvalidRequest
+from voxbackend.ints import to_host
 from voxbackend.models.base import ModelSpec, SpeechModel, WindowJob, WindowSpec
 from voxbackend.models.checkpoint import load_safetensors, read_config
 from voxbackend.models.decoder import DecoderConfig, build_decoder
@@ -302,7 +303,7 @@ class Csm(CsmFrontend):
 
     def detokenize(self, jobs: list[WindowJob]) -> list[np.ndarray]:
         """Windows of equal length decode in one batch, each row continuing its request's Mimi state."""
-        out: list[np.ndarray | None] = [None] * len(jobs)
+        out: list[torch.Tensor | None] = [None] * len(jobs)
         groups: dict[int, list[int]] = {}
         for i, j in enumerate(jobs):
             groups.setdefault(len(j.codes), []).append(i)
@@ -313,5 +314,5 @@ class Csm(CsmFrontend):
             codes = codes.clamp(max=self.codec.codebook_size - 1)
             audio = self.codec.decode_chunk(codes, [jobs[i].state for i in idx])
             for row, i in enumerate(idx):
-                out[i] = audio[row, 0].float().cpu().numpy()
-        return out
+                out[i] = audio[row, 0]
+        return [a.numpy() for a in to_host(out)]

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from voxbackend.models.qwen3_tts.codec import Qwen3TTSCodec
+from voxbackend.ints import to_host
 from voxbackend.models.base import WindowJob
 from voxbackend.models.qwen3_tts.talker import Qwen3TTSTalker
 from voxbackend.models.qwen3_tts.frontend import MIN_NEW_TOKENS, Qwen3TTSFrontend, find_speech_tokenizer
@@ -65,4 +66,4 @@ class Qwen3TTS(Qwen3TTSFrontend):
         """Windows of different requests (any lengths) in one codec call, each continuing its request's state."""
         windows = [torch.as_tensor(j.codes, dtype=torch.long, device=self.device) for j in jobs]
         audio = self.codec.decode_window([j.state for j in jobs], windows)
-        return [a.float().cpu().numpy() for a in audio]
+        return [a.numpy() for a in to_host(audio)]

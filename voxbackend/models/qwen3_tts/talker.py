@@ -95,15 +95,13 @@ class Qwen3TTSTalker:
     def embed(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows [T, num_code_groups + 1] -> talker input embeddings [T, hidden]: the sum of what each row holds."""
         first, rest, text = rows[:, 0], rows[:, 1 : self.num_code_groups], rows[:, TEXT_COLUMN]
+        # every row takes every part, masked where it holds none: no data-dependent shapes, so no wait for the
+        # device (a decode row holds codes and, until the text runs out, a text token anyway)
         x = F.embedding(first.clamp(min=0), self.codec_embedding) * (first >= 0)[:, None]
         has_code = rest >= 0
-        if has_code.any():
-            codes = F.embedding(rest.clamp(min=0) + self.code_offsets, self.code_embedding)
-            x = x + (codes * has_code[..., None]).sum(1)
-        has_text = (text >= 0).nonzero()[:, 0]
-        if len(has_text):
-            x = x.index_add(0, has_text, self.project_text(text[has_text]))
-        return x
+        codes = F.embedding(rest.clamp(min=0) + self.code_offsets, self.code_embedding)
+        x = x + (codes * has_code[..., None]).sum(1)
+        return x + self.project_text(text.clamp(min=0)) * (text >= 0)[:, None]
 
     def forward(self, rows: torch.Tensor, positions: torch.Tensor, attention, features=None) -> torch.Tensor:
         """Flattened batch: rows [T, num_code_groups + 1], positions [T] -> final-normed hidden states [T, hidden].
