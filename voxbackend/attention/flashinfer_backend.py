@@ -4,13 +4,15 @@ One plan per step serves every layer. Steps where every row is a decode use the 
 prefill chunk use the prefill wrapper, whose causal mask aligns each sequence's queries to the end of its keys
 (query i of a chunk of n sees keys up to context + i), which covers decode rows in the same batch too.
 Keys/values are written with the same slot mapping as the torch backend, so both share one KV pool layout:
-per layer (k, v) each [pages, page_size, kv_heads, head_dim] ("NHD").
+per layer (k, v) each [pages, page_size, kv_heads, head_dim] ("NHD"). The plan's arrays come from
+attention/paged_plan.py, which the CPU tests check; only the wrappers' calls need CUDA.
 """
 from __future__ import annotations
 
 import torch
 
 from voxbackend.attention.base import SeqSlice
+from voxbackend.attention.paged_plan import paged_plan
 from voxbackend.models.base import LMGeometry
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
@@ -32,29 +34,20 @@ class FlashInferPagedAttention:
         self.wrapper = None
 
     def plan(self, seqs: list[SeqSlice]) -> None:
-        ps = self.page_size
-        qo_indptr, kv_indptr, kv_indices, last_len, slots = [0], [0], [], [], []
-        for s in seqs:
-            total = s.context_len + s.q_len
-            used = (total + ps - 1) // ps
-            kv_indices.extend(s.pages[:used])
-            kv_indptr.append(kv_indptr[-1] + used)
-            last_len.append(total - (used - 1) * ps)
-            qo_indptr.append(qo_indptr[-1] + s.q_len)
-            slots.extend(s.pages[p // ps] * ps + p % ps for p in range(s.context_len, total))
-        device = self.kv_cache.device
-        as_i32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
-        g = self.geometry
-        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-        if all(s.q_len == 1 for s in seqs):
+        p, ps, g = paged_plan(seqs, self.page_size), self.page_size, self.geometry
+        self.slot_mapping = torch.from_numpy(p.slot_mapping).to(self.kv_cache.device)
+        # the plan's arrays go in as host tensors: plan() reads the indptrs on the host, and device ones would be
+        # copied back, waiting for the device, every step
+        host = torch.from_numpy
+        if p.all_decode:
             self.decode.plan(
-                as_i32(kv_indptr), as_i32(kv_indices), as_i32(last_len), g.num_heads, g.num_kv_heads, g.head_dim,
-                ps, sm_scale=self.scale, q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype,
+                host(p.kv_indptr), host(p.kv_indices), host(p.last_page_len), g.num_heads, g.num_kv_heads,
+                g.head_dim, ps, sm_scale=self.scale, q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype,
             )
             self.wrapper = self.decode
         else:
             self.prefill.plan(
-                as_i32(qo_indptr), as_i32(kv_indptr), as_i32(kv_indices), as_i32(last_len), g.num_heads,
+                host(p.qo_indptr), host(p.kv_indptr), host(p.kv_indices), host(p.last_page_len), g.num_heads,
                 g.num_kv_heads, g.head_dim, ps, causal=True, sm_scale=self.scale, q_data_type=self.kv_cache.dtype,
                 kv_data_type=self.kv_cache.dtype,
             )
