@@ -1,4 +1,4 @@
-"""GPU-only checks; they skip cleanly on CPU machines (the full GPU check is perf/gpu/run.sh)."""
+"""GPU checks: the GPU-only ones skip cleanly on CPU machines; the device script (perf/gpu/run.sh) dry-runs here."""
 import sys
 from pathlib import Path
 
@@ -27,3 +27,19 @@ def test_flashinfer_is_refused_without_cuda(tmp_path):
     with pytest.raises(ValueError, match="CUDA"):
         voxbackend.load(tmp_path, attention="flashinfer")
     assert type(voxbackend.load(tmp_path).attention).__name__ == "TorchPagedAttention"
+
+
+def test_the_gpu_scripts_dry_run_takes_every_step_on_cpu(tmp_path):
+    """perf/gpu/run.sh --dry-run: the device script's steps at tiny sizes on CPU, so it cannot rot before a GPU is
+    lent (its numbers mean nothing here)."""
+    import os
+    import subprocess
+
+    root = Path(__file__).parents[1]
+    done = subprocess.run(["bash", "perf/gpu/run.sh", "--dry-run", str(tmp_path)], cwd=root, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [report] = tmp_path.glob("*-gpu-check-dry-run.md")
+    text = report.read_text()
+    assert text.count("| PASS |") == 3 and "FAIL" not in text, text
+    assert "single-stream time to first audio" in text and "\n| 128 | " in text, text

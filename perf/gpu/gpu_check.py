@@ -2,9 +2,12 @@
 
 Run on a CUDA machine without network, from the repository root:
     bash perf/gpu/run.sh [WHEEL_DIR]
+    bash perf/gpu/run.sh --dry-run     # the same steps on CPU at tiny sizes (CI runs it: the script cannot rot)
 Parity: FlashInfer paged attention vs the torch backend on random mixed prefill/decode batches; engine greedy
 tokens on GPU (torch backend, float32) vs CPU. Timings: Orpheus-3B-size random weights (bf16): single-stream
 time to first audio, and LM decode step time against batch size next to the memory-bandwidth floor.
+The dry run checks FlashInfer's plan (attention/paged_plan.py) instead of calling its kernel, compares CPU with
+CPU, and times a tiny backbone: its numbers mean nothing, its running does.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 
 import voxbackend
 from voxbackend.attention.base import SeqSlice
+from voxbackend.attention.paged_plan import paged_plan
 from voxbackend.attention.torch_backend import TorchPagedAttention
 from voxbackend.engine.engine import Engine
 from voxbackend.models.base import LMGeometry
@@ -28,15 +32,19 @@ from voxbackend.sampling_params import SamplingParams
 from voxbackend.models.orpheus.tiny import write_tiny_orpheus, write_tiny_snac
 
 ORPHEUS_3B = dict(hidden_size=3072, intermediate_size=8192, num_layers=28, num_heads=24, num_kv_heads=8, head_dim=128)
+DRY_RUN = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
 
 
-def attention_parity(lines: list[str]) -> bool:
-    from voxbackend.attention.flashinfer_backend import FlashInferPagedAttention
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
+
+def attention_parity(lines: list[str], device: str = "cuda") -> bool:
     g = LMGeometry(num_layers=1, num_heads=8, num_kv_heads=2, head_dim=128, vocab_size=1, max_context=4096)
     ps, pages = 16, 256
-    cache = torch.randn(1, 2, pages + 1, ps, g.num_kv_heads, g.head_dim, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(1, 2, pages + 1, ps, g.num_kv_heads, g.head_dim, device=device, dtype=torch.bfloat16)
     ok = True
     for case, shape in {"mixed": [(0, 37), (50, 1), (200, 1), (16, 48)], "decode": [(5, 1), (100, 1), (31, 1)]}.items():
         seqs, start, page = [], 0, 0
@@ -44,8 +52,18 @@ def attention_parity(lines: list[str]) -> bool:
             n_pages = (context + q_len + ps - 1) // ps
             seqs.append(SeqSlice(start, q_len, context, list(range(page, page + n_pages))))
             start, page = start + q_len, page + n_pages
-        q = torch.randn(start, g.num_heads, g.head_dim, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(start, g.num_kv_heads, g.head_dim, device="cuda", dtype=torch.bfloat16)
+        if not device.startswith("cuda"):  # the dry run: FlashInfer's plan against the torch backend's slots
+            torch_backend = TorchPagedAttention(cache, ps, pages, 128**-0.5)
+            torch_backend.plan(seqs)
+            same = bool((torch.from_numpy(paged_plan(seqs, ps).slot_mapping) == torch_backend.slot_mapping).all())
+            ok &= same
+            status = "PASS" if same else "FAIL"
+            lines.append(f"| FlashInfer plan slots == torch ({case}, dry run) | {same} | {status} |")
+            continue
+        from voxbackend.attention.flashinfer_backend import FlashInferPagedAttention
+
+        q = torch.randn(start, g.num_heads, g.head_dim, device=device, dtype=torch.bfloat16)
+        k = torch.randn(start, g.num_kv_heads, g.head_dim, device=device, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         outs = []
         for backend in (TorchPagedAttention(cache.clone(), ps, pages, 128**-0.5),
@@ -58,7 +76,7 @@ def attention_parity(lines: list[str]) -> bool:
     return ok
 
 
-def greedy_parity(lines: list[str], root: Path) -> bool:
+def greedy_parity(lines: list[str], root: Path, device: str = "cuda") -> bool:
     from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -68,9 +86,9 @@ def greedy_parity(lines: list[str], root: Path) -> bool:
     prompts = [[5, 6, 7], list(range(3, 40)), [9] * 17]
     sp = SamplingParams(temperature=0.0, max_tokens=24)
     cpu = voxbackend.load(root / "llama", kv_pages=64).generate_ids(prompts, sp)
-    gpu = voxbackend.load(root / "llama", device="cuda", attention="torch", kv_pages=64).generate_ids(prompts, sp)
+    gpu = voxbackend.load(root / "llama", device=device, attention="torch", kv_pages=64).generate_ids(prompts, sp)
     ok = cpu == gpu
-    lines.append(f"| engine greedy GPU (torch, fp32) == CPU | {sum(a == b for a, b in zip(cpu, gpu))}/3 prompts | "
+    lines.append(f"| engine greedy {device} (torch, fp32) == CPU | {sum(a == b for a, b in zip(cpu, gpu))}/3 prompts | "
                  f"{'PASS' if ok else 'FAIL'} |")
     return ok
 
@@ -98,10 +116,10 @@ def orpheus_3b(root: Path, attention: str, device: str = "cuda", sizes: dict = O
     return Engine(m, engine.config)  # a fresh KV pool sized for the 3B geometry
 
 
-def timings(lines: list[str], root: Path, gpu_name: str) -> None:
-    engine = orpheus_3b(root, "auto")
+def timings(lines: list[str], root: Path, gpu_name: str, device: str = "cuda", sizes: dict = ORPHEUS_3B) -> None:
+    engine = orpheus_3b(root, "auto", device, sizes)
     params = sum(p.numel() for p in engine.model.backbone.parameters())
-    lines.append(f"\nOrpheus-3B-size random weights: {params / 1e9:.2f} B parameters, bf16, "
+    lines.append(f"\nOrpheus backbone, random weights: {params / 1e9:.2f} B parameters, bf16, "
                  f"attention backend {type(engine.attention).__name__}\n")
     engine.start()
     sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, max_tokens=80, seed=1)
@@ -116,18 +134,18 @@ def timings(lines: list[str], root: Path, gpu_name: str) -> None:
     m, attn = engine.model, engine.attention
     for batch in (1, 8, 32, 64, 128):
         seqs = [SeqSlice(i, 1, 255, list(range(i * 17, i * 17 + 17))) for i in range(batch)]
-        ids = torch.randint(AUDIO_BASE, 156000, (batch,), device="cuda")
-        pos = torch.full((batch,), 255, device="cuda")
+        ids = torch.randint(AUDIO_BASE, 156000, (batch,), device=device)
+        pos = torch.full((batch,), 255, device=device)
         with torch.inference_mode():
             for _ in range(3):
                 attn.plan(seqs)
                 m.candidate_logits(m.forward(ids, pos, attn), [0] * batch)
-            torch.cuda.synchronize()
-            t0, n = time.perf_counter(), 20
+            sync(device)
+            t0, n = time.perf_counter(), 20 if device.startswith("cuda") else 2
             for _ in range(n):
                 attn.plan(seqs)
                 m.candidate_logits(m.forward(ids, pos, attn), [0] * batch)
-            torch.cuda.synchronize()
+            sync(device)
         step = (time.perf_counter() - t0) / n
         floor = f"{params * 2 / floor_bw * 1000:.2f}" if floor_bw else "n/a"
         lines.append(f"| {batch} | {step * 1000:.2f} | {floor} | {batch / step:.0f} |")
@@ -136,16 +154,18 @@ def timings(lines: list[str], root: Path, gpu_name: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="perf/results")
+    ap.add_argument("--dry-run", action="store_true", help="the same steps on CPU at tiny sizes (no GPU needed)")
     args = ap.parse_args()
-    gpu = torch.cuda.get_device_name(0)
+    device, sizes = ("cpu", DRY_RUN) if args.dry_run else ("cuda", ORPHEUS_3B)
+    gpu = "CPU (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
     lines = [f"# GPU check {datetime.date.today()} on {gpu}", "", f"torch {torch.__version__}", "",
              "| check | result | status |", "|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
-        ok = attention_parity(lines) & greedy_parity(lines, Path(tmp))
-        timings(lines, Path(tmp), gpu)
+        ok = attention_parity(lines, device) & greedy_parity(lines, Path(tmp), device)
+        timings(lines, Path(tmp), gpu, device, sizes)
     text = "\n".join(lines) + "\n"
     print(text)
-    out = Path(args.out) / f"{datetime.date.today()}-gpu-check.md"
+    out = Path(args.out) / f"{datetime.date.today()}-gpu-check{'-dry-run' if args.dry_run else ''}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     raise SystemExit(0 if ok else 1)
