@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,6 +108,7 @@ class Plan:
     kind: str  # run | client | service | stand-in | skip
     reason: str = ""
     budget_s: float = 60.0
+    needs: str | None = None  # a program the command runs; skipped, saying so, on a machine without it
 
 
 SKIP, RUN, CLIENT, SERVICE, STAND_IN = "skip", "run", "client", "service", "stand-in"
@@ -126,6 +128,8 @@ PLANS: list[tuple[str, Plan]] = [
                                            "--quick")),
     (r"clients\.loadgen", Plan(SKIP, "a one-minute load run; tests/test_loadgen.py runs the client")),
     (r"^ssh ", Plan(SKIP, "a second machine")),
+    (r"^kubectl apply ", Plan(SKIP, "a Kubernetes cluster")),
+    (r"^kubectl kustomize ", Plan(RUN, budget_s=60, needs="kubectl")),
     (r"^voxbackend serve .*--checkpoint", Plan(SERVICE, budget_s=180)),  # a checkpoint an earlier command built
     (r"^voxbackend serve", Plan(STAND_IN, "the default checkpoints: the shared test server serves them")),
     (r"^voxbackend api ", Plan(SERVICE, budget_s=60)),
@@ -183,11 +187,11 @@ def point_at(text: str, scratch: Path, server: Endpoints | None) -> str:
 
 
 def scratch_folder(path: Path) -> Path:
-    """A working folder that looks like the checkout to the docs' relative paths (clients/, scripts/, perf/*)
+    """A working folder that looks like the checkout to the docs' relative paths (clients/, scripts/, deploy/, perf/*)
     without letting their outputs into it: perf/results/ is its own, and the clips the docs name are made here."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "tmp").mkdir(exist_ok=True)
-    for name in ("clients", "scripts"):
+    for name in ("clients", "scripts", "deploy", "docker"):
         (path / name).symlink_to(ROOT / name)
     (path / "perf").mkdir()
     for entry in (ROOT / "perf").iterdir():
@@ -256,6 +260,9 @@ def run_block(block: Block, scratch: Path, shared: Endpoints | None = None) -> B
                                       f"--metrics-url {server.metrics} --port 9000")
                         service, server = _start_service(api, api.text, scratch, server, 60)
                         services.append(service)
+                continue
+            if p.needs and shutil.which(p.needs) is None:
+                result.skipped.append((command, f"no {p.needs} on this machine"))
                 continue
             shell = point_at(command.text, scratch, server)
             if p.kind == SERVICE:
