@@ -130,6 +130,9 @@ PLANS: list[tuple[str, Plan]] = [
     (r"^ssh ", Plan(SKIP, "a second machine")),
     (r"^kubectl apply ", Plan(SKIP, "a Kubernetes cluster")),
     (r"^kubectl kustomize ", Plan(RUN, budget_s=60, needs="kubectl")),
+    (r"--set gpus=", Plan(SKIP, "GPUs, which the test machine lacks")),
+    (r"^voxbackend serve .*--set instances=", Plan(SKIP, "tests/test_triton_text_stream.py serves two instances of "
+                                                         "each engine-hosting model")),
     (r"^voxbackend serve .*--checkpoint", Plan(SERVICE, budget_s=180)),  # a checkpoint an earlier command built
     (r"^voxbackend serve", Plan(STAND_IN, "the default checkpoints: the shared test server serves them")),
     (r"^voxbackend api ", Plan(SERVICE, budget_s=60)),

@@ -38,6 +38,20 @@ def test_overrides_render_into_engine_parameters_only(tmp_path: Path):
     assert (repo / "orpheus" / "1").is_dir()
 
 
+def test_replicas_place_every_engine_hosting_model_and_stay_out_of_the_parameters():
+    one = configs.render_all(models=["qwen3_tts"])
+    assert all("instance_group [ { count: 1 kind: KIND_CPU } ]" in text for text in one.values())
+    many = configs.render_all({"instances": "2"}, models=["qwen3_tts"])
+    for name in ("qwen3_tts", "qwen3_tts_engine", "qwen3_tts_text_stream"):  # each hosts an engine
+        assert "instance_group [ { count: 2 kind: KIND_CPU } ]" in many[name], name
+    assert "instance_group [ { count: 1 kind: KIND_CPU } ]" in many["qwen3_tts_preprocess"]
+    gpus = configs.render_all({"instances": "1", "gpus": "0,1", "device": "auto"}, models=["orpheus"])
+    assert "instance_group [ { count: 1 kind: KIND_GPU gpus: [ 0, 1 ] } ]" in gpus["orpheus_engine"]
+    assert all('key: "instances"' not in t and 'key: "gpus"' not in t for t in (*many.values(), *gpus.values()))
+    with pytest.raises(ValueError, match="at least 1"):
+        configs.render_all({"instances": "0"}, models=["orpheus"])
+
+
 def test_unknown_override_is_rejected():
     with pytest.raises(ValueError, match="unknown engine parameter"):
         configs.render_all({"kv_pagez": "1"})

@@ -1,7 +1,7 @@
 """Every shell command in the README and docs/*.md has a plan (tests/docs_commands.py): run, or skipped with its
 reason. The runs are tests/test_docs_run.py and tests/test_triton_docs_run.py; this file is the quick check that a
 new or changed command is not silently left out, and that the plans say what they do."""
-from tests.docs_commands import CLIENT, ROOT, RUN, SERVICE, SKIP, STAND_IN, Command, Endpoints, plan, point_at, \
+from tests.docs_commands import ROOT, SERVICE, SKIP, STAND_IN, Command, Endpoints, plan, point_at, \
     shell_blocks
 
 
@@ -17,7 +17,7 @@ def test_every_shell_command_in_the_docs_has_a_plan():
             unplanned.append(str(e))
     assert not unplanned, "\n".join(unplanned)
     kinds = [plan(c).kind for c in commands]
-    assert kinds.count(SKIP) < kinds.count(RUN) + kinds.count(CLIENT) + kinds.count(SERVICE)  # most of them run
+    assert kinds.count(SKIP) < len(kinds) / 2  # most run, or are served by the shared server (stand-ins)
     assert all(plan(c).reason for c in commands if plan(c).kind in (SKIP, STAND_IN)), "a skip without its reason"
 
 

@@ -33,7 +33,8 @@ FAKE = {
     "engine_loader": "voxbackend.testing.fake_engine:load_streaming",
     "frontend_loader": "voxbackend.testing.fake_engine:load_streaming_frontend",
     "kv_pages": "4096",
-    "max_batch": "4",  # 4 sequence slots
+    "max_batch": "4",  # 4 sequence slots per instance
+    "instances": "2",  # replicas: two engines per model, Triton spreading requests and keeping each sequence on one
 }
 TEXT = "Hello there, how are you doing today? I'm fine, thanks; we'll see you tomorrow."
 PIECES = ["Hel", "lo the", "re, how", " are you do", "ing today? I'", "m fine, thanks;", " we'll see you", " tomorrow."]
@@ -80,14 +81,24 @@ def test_pieces_with_delays_give_the_audio_of_the_whole_text_through_the_front_m
 def test_concurrent_sequences_on_one_stream_each_get_their_own_text(server):
     import concurrent.futures as cf
 
-    texts = [f"Stream number {i} says hello to you, friend number {i}." for i in range(6)]  # 6 > 4 slots: queue
-    with cf.ThreadPoolExecutor(6) as pool:
+    texts = [f"Stream number {i} says hello to you, friend number {i}." for i in range(10)]  # > 2 x 4 slots: queue
+    with cf.ThreadPoolExecutor(10) as pool:
         outs = list(pool.map(lambda t: stream_text_pieces(
             server.grpc_url, MODEL, re.findall(r".{1,7}", t), options(seed=9), piece_delay=0.03, timeout=60), texts))
     for t, out in zip(texts, outs):
         ref = stream_request(server.grpc_url, "orpheus", make_inputs(t, SEED=9), timeout=60)
         assert out.error is None and out.finish_reason == "stop"
         np.testing.assert_array_equal(out.audio, ref.audio)
+
+
+def test_replicas_shared_the_sequences_and_the_streams(server):
+    """After the concurrent test: both instances of the text-stream model and of the front model served (each
+    piece of a sequence reached the engine holding it, or its audio above would differ), per-instance metrics."""
+    for model in (MODEL, "orpheus"):
+        served = {re.search(r'instance="([^"]+)"', labels)[1] for labels, value in
+                  triton_util.metric_values(server, "voxbackend_requests_finished_total").items()
+                  if f'model="{model}"' in labels and value > 0}
+        assert served == {f"{model}_0_0", f"{model}_0_1"}, (model, served)
 
 
 def test_bad_pieces_are_refused_naming_the_field(server):

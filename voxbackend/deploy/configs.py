@@ -91,7 +91,7 @@ class ServedModel:
 
     def params(self, overrides: dict[str, str] | None = None) -> dict[str, str]:
         """Parameters with overrides: `key` applies to every model, `<model name>.key` to this one only."""
-        merged = {**ENGINE_PARAMS, "default_checkpoint": self.default_checkpoint, "model_kind": self.name}
+        merged = {**ENGINE_PARAMS, **PLACEMENT, "default_checkpoint": self.default_checkpoint, "model_kind": self.name}
         for key, value in (overrides or {}).items():
             model, _, name = key.rpartition(".")
             if model and model != self.name:
@@ -100,6 +100,29 @@ class ServedModel:
                 raise ValueError(f"unknown engine parameter {name!r}; known: {sorted(merged)}")
             merged[name] = str(value)
         return merged
+
+
+# Where the models that host an engine (the front model, <model>_engine, <model>_text_stream) run: `instances`
+# engines per model, each its own process with its own KV pool, and with `gpus` (e.g. "0,1") that many on each
+# listed GPU (KIND_GPU); without, on the CPU kind, where device=auto takes the first GPU if there is one. Triton
+# spreads requests over the instances; its sequence batcher keeps each text sequence on one. Not config.pbtxt
+# parameters: they become its instance_group.
+PLACEMENT = {"instances": "1", "gpus": ""}
+
+
+def instance_group(params: dict[str, str]) -> str:
+    count = int(params["instances"])
+    if count < 1:
+        raise ValueError(f"instances must be at least 1, got {count}")
+    gpus = [int(g) for g in params["gpus"].split(",") if g.strip()]
+    where = f"kind: KIND_GPU gpus: [ {', '.join(map(str, gpus))} ]" if gpus else "kind: KIND_CPU"
+    return f"instance_group [ {{ count: {count} {where} }} ]\n"
+
+
+def engine_parameters(params: dict[str, str]) -> dict[str, str]:
+    """What an engine-hosting model's config.pbtxt lists as parameters: all but the front end's loader and the
+    placement."""
+    return {k: v for k, v in params.items() if k != "frontend_loader" and k not in PLACEMENT}
 
 
 SERVED_MODELS: tuple[ServedModel, ...] = tuple(
@@ -129,13 +152,13 @@ def _parameters(params: dict[str, str]) -> str:
     )
 
 
-def _python_model(name: str, doc: str, inputs, outputs, *, instances: int, decoupled: bool = False,
+def _python_model(name: str, doc: str, inputs, outputs, *, instances: str, decoupled: bool = False,
                   params: dict[str, str] | None = None) -> str:
+    """instances: the model's instance_group line."""
     text = HEADER + f"# {doc}\n" + f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
     if decoupled:
         text += "model_transaction_policy { decoupled: true }\n"
-    text += _tensor_block("input", inputs) + _tensor_block("output", outputs)
-    text += f"instance_group [ {{ count: {instances} kind: KIND_CPU }} ]\n"
+    text += _tensor_block("input", inputs) + _tensor_block("output", outputs) + instances
     return text + _parameters(params or {})
 
 
@@ -152,8 +175,8 @@ def render_text_stream(m: ServedModel, params: dict[str, str]) -> str:
             "  direct { max_queue_delay_microseconds: 0 }\n  control_input [\n" + ",\n".join(controls) + "\n  ]\n}\n")
     text += _tensor_block("input", schema.client_inputs(m.input_specs))
     text += _tensor_block("output", schema.CLIENT_OUTPUTS)
-    text += "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
-    return text + _parameters({k: v for k, v in params.items() if k != "frontend_loader"})
+    text += instance_group(params)
+    return text + _parameters(engine_parameters(params))
 
 
 def render_front(m: ServedModel, params: dict[str, str]) -> str:
@@ -162,9 +185,8 @@ def render_front(m: ServedModel, params: dict[str, str]) -> str:
     whose engine gauges its streams show in (itself), `preprocess_model` where its front end's settings live."""
     return _python_model(
         m.name, f"{m.description}: text in, a stream of encoded audio chunks out (its own engine).",
-        schema.client_inputs(m.input_specs), schema.CLIENT_OUTPUTS, instances=1, decoupled=True,
-        params={**{k: v for k, v in params.items() if k != "frontend_loader"},
-                "preprocess_model": m.preprocess, "engine_model": m.name})
+        schema.client_inputs(m.input_specs), schema.CLIENT_OUTPUTS, instances=instance_group(params), decoupled=True,
+        params={**engine_parameters(params), "preprocess_model": m.preprocess, "engine_model": m.name})
 
 
 def select(models: list[str] | None = None) -> tuple[ServedModel, ...]:
@@ -198,13 +220,13 @@ def render_all(overrides: dict[str, str] | None = None, models: list[str] | None
             m.preprocess, f"{m.description}: text, {', '.join(s.name for s in m.input_specs)}, sampling -> "
             "validated prompt ids and sampling fields.",
             schema.client_inputs(m.input_specs), schema.preprocess_outputs(m.conditioning),
-            instances=m.preprocess_instances,
+            instances=instance_group({"instances": str(m.preprocess_instances), "gpus": ""}),
             params={k: params[k] for k in ("checkpoint", "codec", "default_checkpoint", "frontend_loader",
                                            "model_kind")})
         configs[m.engine] = _python_model(
             m.engine, f"{m.description}: the engine, one per instance; streams float audio chunks.",
-            schema.engine_inputs(m.input_specs, m.conditioning), schema.ENGINE_OUTPUTS, instances=1, decoupled=True,
-            params={k: v for k, v in params.items() if k != "frontend_loader"})
+            schema.engine_inputs(m.input_specs, m.conditioning), schema.ENGINE_OUTPUTS,
+            instances=instance_group(params), decoupled=True, params=engine_parameters(params))
         configs[m.name] = render_front(m, params)
         if m.text_streaming:
             configs[m.text_stream] = render_text_stream(m, params)
