@@ -63,6 +63,10 @@ install_libb64() {
   (apt-get update -qq && apt-get install -y -qq libb64-0d) >/dev/null 2>&1 \
     || echo "warning: could not install libb64-0d; perf_analyzer tests will skip"
 }
+install_haproxy() {
+  (apt-get update -qq && apt-get install -y -qq haproxy) >/dev/null 2>&1 \
+    || echo "warning: could not install haproxy; tests/test_triton_failover.py will fail"
+}
 install_chromium() {
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
     || echo "warning: could not install chromium and chromium-driver; tests/test_api_page.py will fail"
@@ -81,12 +85,17 @@ NEED_LIBB64=0
 if ! ldconfig -p 2>/dev/null | grep -q libb64.so.0d; then
   NEED_LIBB64=$CAN_APT
 fi
+# the fail-over test runs deploy/haproxy/haproxy.cfg with Debian's haproxy
+NEED_HAPROXY=0
+if ! command -v haproxy >/dev/null; then
+  NEED_HAPROXY=$CAN_APT
+fi
 # the speech API's browser test drives Debian's chromium through its chromedriver (no browser download)
 NEED_CHROMIUM=0
 if ! command -v chromedriver >/dev/null || ! command -v chromium >/dev/null; then
   NEED_CHROMIUM=$CAN_APT
 fi
-STEPS=$(( (UP_TO_DATE ? 0 : 7) + NEED_LIBB64 + NEED_CHROMIUM ))
+STEPS=$(( (UP_TO_DATE ? 0 : 7) + NEED_LIBB64 + NEED_HAPROXY + NEED_CHROMIUM ))
 T0=$SECONDS
 
 if [ "$UP_TO_DATE" = 0 ]; then
@@ -111,6 +120,9 @@ if [ "$UP_TO_DATE" = 0 ]; then
 fi
 if [ "$NEED_LIBB64" = 1 ]; then
   step "libb64 (apt, for perf_analyzer)" install_libb64
+fi
+if [ "$NEED_HAPROXY" = 1 ]; then
+  step "haproxy (apt, for the fail-over test)" install_haproxy
 fi
 if [ "$NEED_CHROMIUM" = 1 ]; then
   step "chromium and chromium-driver (apt, for the speech API's browser test)" install_chromium
