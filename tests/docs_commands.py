@@ -231,6 +231,13 @@ class BlockRun:
     ran: list[Ran] = field(default_factory=list)
     skipped: list[tuple[Command, str]] = field(default_factory=list)
 
+    def report(self) -> None:
+        """What ran, in how long, and what was skipped and why (pytest -s, or a failure's captured output)."""
+        for ran in self.ran:
+            print(f"{ran.command.where} {ran.seconds:5.1f} s  {ran.shell}")
+        for command, reason in self.skipped:
+            print(f"{command.where} skipped: {command.text} ({reason})")
+
 
 def needs_shared_server(block: Block) -> bool:
     """A client before any service of the block: it talks to the shared server (the default checkpoints)."""

@@ -14,10 +14,7 @@ BLOCKS = [b for b in shell_blocks() if runs_something(b) and not needs_shared_se
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.where for b in BLOCKS])
 def test_the_block_runs_as_written(block, tmp_path):
     result = run_block(block, scratch_folder(tmp_path / "scratch"))
-    for ran in result.ran:
-        print(f"{ran.command.where} {ran.seconds:5.1f} s  {ran.shell}")
-    for command, reason in result.skipped:
-        print(f"{command.where} skipped: {command.text} ({reason})")
+    result.report()
     if block.where == "README.md:13":  # the demo: one model served, its rendered repository removed at exit
         [demo] = result.ran
         rendered = re.search(r"^rendered (\S+) \((.*)\) with", demo.output, re.M)

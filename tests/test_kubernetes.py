@@ -7,10 +7,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import kubernetes.client as k8s
 import pytest
 import yaml
-
-k8s = pytest.importorskip("kubernetes.client")
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "deploy" / "kubernetes"

@@ -15,7 +15,4 @@ BLOCKS = [b for b in shell_blocks() if needs_shared_server(b)]
 def test_the_block_runs_as_written_against_the_default_checkpoints(block, committed_server, tmp_path):
     shared = Endpoints(committed_server.grpc_url, committed_server.metrics_url)
     result = run_block(block, scratch_folder(tmp_path / "scratch"), shared)
-    for ran in result.ran:
-        print(f"{ran.command.where} {ran.seconds:5.1f} s  {ran.shell}")
-    for command, reason in result.skipped:
-        print(f"{command.where} skipped: {command.text} ({reason})")
+    result.report()

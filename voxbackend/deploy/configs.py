@@ -110,13 +110,18 @@ class ServedModel:
 PLACEMENT = {"instances": "1", "gpus": ""}
 
 
-def instance_group(params: dict[str, str]) -> str:
-    count = int(params["instances"])
+def instance_group(count: int, gpus: str = "") -> str:
+    """The instance_group line: `count` instances on the CPU kind, or on each GPU of `gpus` ("0,1")."""
     if count < 1:
         raise ValueError(f"instances must be at least 1, got {count}")
-    gpus = [int(g) for g in params["gpus"].split(",") if g.strip()]
+    gpus = [int(g) for g in gpus.split(",") if g.strip()]
     where = f"kind: KIND_GPU gpus: [ {', '.join(map(str, gpus))} ]" if gpus else "kind: KIND_CPU"
     return f"instance_group [ {{ count: {count} {where} }} ]\n"
+
+
+def engine_placement(params: dict[str, str]) -> str:
+    """The instance_group of a model that hosts an engine, from its PLACEMENT parameters."""
+    return instance_group(int(params["instances"]), params["gpus"])
 
 
 def engine_parameters(params: dict[str, str]) -> dict[str, str]:
@@ -175,7 +180,7 @@ def render_text_stream(m: ServedModel, params: dict[str, str]) -> str:
             "  direct { max_queue_delay_microseconds: 0 }\n  control_input [\n" + ",\n".join(controls) + "\n  ]\n}\n")
     text += _tensor_block("input", schema.client_inputs(m.input_specs))
     text += _tensor_block("output", schema.CLIENT_OUTPUTS)
-    text += instance_group(params)
+    text += engine_placement(params)
     return text + _parameters(engine_parameters(params))
 
 
@@ -185,7 +190,7 @@ def render_front(m: ServedModel, params: dict[str, str]) -> str:
     whose engine gauges its streams show in (itself), `preprocess_model` where its front end's settings live."""
     return _python_model(
         m.name, f"{m.description}: text in, a stream of encoded audio chunks out (its own engine).",
-        schema.client_inputs(m.input_specs), schema.CLIENT_OUTPUTS, instances=instance_group(params), decoupled=True,
+        schema.client_inputs(m.input_specs), schema.CLIENT_OUTPUTS, instances=engine_placement(params), decoupled=True,
         params={**engine_parameters(params), "preprocess_model": m.preprocess, "engine_model": m.name})
 
 
@@ -220,13 +225,13 @@ def render_all(overrides: dict[str, str] | None = None, models: list[str] | None
             m.preprocess, f"{m.description}: text, {', '.join(s.name for s in m.input_specs)}, sampling -> "
             "validated prompt ids and sampling fields.",
             schema.client_inputs(m.input_specs), schema.preprocess_outputs(m.conditioning),
-            instances=instance_group({"instances": str(m.preprocess_instances), "gpus": ""}),
+            instances=instance_group(m.preprocess_instances),
             params={k: params[k] for k in ("checkpoint", "codec", "default_checkpoint", "frontend_loader",
                                            "model_kind")})
         configs[m.engine] = _python_model(
             m.engine, f"{m.description}: the engine, one per instance; streams float audio chunks.",
             schema.engine_inputs(m.input_specs, m.conditioning), schema.ENGINE_OUTPUTS,
-            instances=instance_group(params), decoupled=True, params=engine_parameters(params))
+            instances=engine_placement(params), decoupled=True, params=engine_parameters(params))
         configs[m.name] = render_front(m, params)
         if m.text_streaming:
             configs[m.text_stream] = render_text_stream(m, params)
