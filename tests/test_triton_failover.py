@@ -40,6 +40,8 @@ def farm(tmp_path):
     if shutil.which("haproxy") is None:
         pytest.fail("no haproxy (scripts/setup_env.sh installs Debian's haproxy)")
     repo = configs.write_repository(tmp_path / "repo", FAKE, models=["orpheus"])
+    for unused in ("orpheus_engine", "orpheus_preprocess"):  # the streams go to `orpheus`, which hosts its engine:
+        shutil.rmtree(repo / unused)  # one stub a server, not three (memory, beside the rest of the suite)
     servers = [TritonServer(repo, log_file=tmp_path / f"triton{i}.log") for i in range(3)]
     for s in servers:
         s.start(timeout=120)
