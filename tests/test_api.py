@@ -426,6 +426,25 @@ def test_chatterbox_front_end_lists_its_stored_voices(tmp_path):
     assert model.describe()["voices"] == ["narrator"] and model.describe()["voice_kind"] == "name"
 
 
+def test_front_end_query_does_not_queue_behind_triton_stubs():
+    """The API's voice query finds the default checkpoint in its own interpreter, without the machine-wide lock that
+    Triton stubs take in turn to build theirs (a CI run's player screenshot waited past 120 s behind other servers'
+    loads): it answers while this test holds that lock."""
+    import fcntl
+
+    from voxbackend.api.catalog import ask_frontends
+    from voxbackend.triton import loading
+
+    held = open(Path(loading.tempfile.gettempdir()) / f"voxbackend-default-checkpoint-{os.getuid()}.lock", "w")
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        info = ask_frontends({"orpheus": {"checkpoint": "", "default_checkpoint":
+                                          "voxbackend.models.orpheus.tiny:ensure_default_checkpoint"}}, timeout=60)
+    finally:
+        held.close()
+    assert info["orpheus"]["sample_rate"] == 24000 and "tara" in info["orpheus"]["voices"], info
+
+
 def test_health_is_503_when_an_engine_died(monkeypatch):
     import asyncio
 

@@ -15,7 +15,7 @@ def main() -> int:
     answers = {}
     for name, params in json.loads(sys.stdin.read()).items():
         try:
-            frontend = load_frontend(params)
+            frontend = load_frontend(params, in_process=True)
             answers[name] = {"voices": list(frontend.voices), "sample_rate": int(frontend.spec.sample_rate),
                              "guidance": bool(frontend.spec.guidance)}
         except Exception as e:  # one model's failure must not hide the others' voices

@@ -55,10 +55,17 @@ def import_object(spec: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
-def resolve_checkpoint(params: dict[str, str]) -> tuple[str, str | None]:
-    """The configured checkpoint, or the model's default one (built once; a lock serialises parallel loads)."""
+def resolve_checkpoint(params: dict[str, str], in_process: bool = False) -> tuple[str, str | None]:
+    """The configured checkpoint, or the model's default one (built once; a lock serialises parallel loads).
+
+    in_process: build or find it in this interpreter (not a Triton stub), without the lock: build_once locks the
+    cache folder itself, and a short-lived process (the API's front end query) must not queue behind every stub
+    of every server on the machine."""
     if params.get("checkpoint"):
         return params["checkpoint"], params.get("codec") or None
+    if in_process:
+        model_dir, codec_dir = import_object(params["default_checkpoint"])()
+        return str(model_dir), params.get("codec") or (str(codec_dir) if codec_dir else None)
     # Triton loads instances and models in parallel; only one of them may build the default checkpoint.
     lock_path = Path(tempfile.gettempdir()) / f"voxbackend-default-checkpoint-{os.getuid()}.lock"
     with open(lock_path, "w") as lock:
@@ -127,8 +134,8 @@ def conditioning_specs(params: dict[str, str]) -> tuple:
     return get_kind(params["model_kind"]).conditioning if params.get("model_kind") else ()
 
 
-def load_frontend(params: dict[str, str]):
-    model_dir, codec_dir = resolve_checkpoint(params)
+def load_frontend(params: dict[str, str], in_process: bool = False):
+    model_dir, codec_dir = resolve_checkpoint(params, in_process)
     loader = import_object(params.get("frontend_loader") or "voxbackend.triton.loading:default_frontend")
     return loader(model_dir, codec_dir)
 
