@@ -2,6 +2,7 @@
 value-shaped ops; on CPU tensors, so CI holds the numbers a GPU run would see). An LM step of every served model
 waits once: its sampled ids. A codec step waits as stated in CODEC_STEP, each with its reason."""
 import collections
+from pathlib import Path
 
 import pytest
 
@@ -36,10 +37,16 @@ def test_host_syncs_sees_copies_and_value_shaped_ops_and_not_device_work():
     assert syncs.count == 4, syncs.sites
 
 
+def _line_of(comment: str) -> int:
+    source = Path(voxbackend.__file__).parent / "engine" / "model_runner.py"
+    return next(i for i, line in enumerate(source.read_text().splitlines(), 1) if comment in line)
+
+
 @pytest.mark.parametrize("name", SERVED)
-def test_an_lm_step_waits_for_the_device_once_and_a_codec_step_as_stated(name):
+@pytest.mark.parametrize("cuda_graphs", ["off", "padded"])  # padded: the static-buffer decode path graphs replay
+def test_an_lm_step_waits_for_the_device_once_and_a_codec_step_as_stated(name, cuda_graphs):
     model_dir, codec_dir = import_object(KINDS[name].tiny_checkpoint)()
-    engine = voxbackend.load(model_dir, codec_dir, model=name)
+    engine = voxbackend.load(model_dir, codec_dir, model=name, cuda_graphs=cuda_graphs)
     for i in range(3):
         engine.submit(engine.model.prepare(f"Hello there, number {i}.", None),
                       SamplingParams(temperature=0.8, max_tokens=80, seed=i), lambda event: None)
@@ -61,7 +68,7 @@ def test_an_lm_step_waits_for_the_device_once_and_a_codec_step_as_stated(name):
     for syncs in lm_steps:
         sites.update(syncs.sites)
     assert all(s.count == 1 for s in lm_steps), sites
-    assert list(sites) == ["engine/model_runner.py:90 tolist"], sites
+    assert list(sites) == [f"engine/model_runner.py:{_line_of('the one host transfer of the step')} tolist"], sites
     codec_sites = collections.Counter()
     for syncs in codec_steps:
         codec_sites.update(syncs.sites)

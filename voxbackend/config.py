@@ -32,6 +32,10 @@ class EngineConfig:
     detok_pace_floor: str = "auto"
     first_chunk_s: float = 0.0  # hold a stream's first audio until it is this long (0: send the first window at once)
     attention: str = "auto"  # auto | torch | flashinfer
+    # decode steps padded to batch-size buckets in static buffers (engine/decode_graphs.py). graphs: captured as
+    # CUDA graphs and replayed (CUDA with FlashInfer attention); padded: the same path run eagerly, on any device
+    # (what the CPU tests run); off; auto: graphs where they can be captured, else off
+    cuda_graphs: str = "auto"
     # server-side cap on a request's max_tokens (LM steps); above it a request is refused. 0: the model's
     # official maximum (ModelSpec.max_tokens)
     max_tokens_limit: int = 0
@@ -50,6 +54,8 @@ class EngineConfig:
             raise ValueError(f"max_tokens_limit must be >= 0 (0 = the model's maximum), got {self.max_tokens_limit}")
         if self.attention not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"attention must be auto, torch or flashinfer, got {self.attention!r}")
+        if self.cuda_graphs not in ("auto", "graphs", "padded", "off"):
+            raise ValueError(f"cuda_graphs must be auto, graphs, padded or off, got {self.cuda_graphs!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 

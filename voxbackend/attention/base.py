@@ -23,8 +23,11 @@ class SeqSlice:
 
 
 class AttentionBackend(Protocol):
-    def plan(self, seqs: list[SeqSlice]) -> None:
-        """Build the step's metadata (slot mapping, gather indices, masks) once for all layers."""
+    graphable: bool  # its plan lives in static buffers, so a captured CUDA graph replays with each step's plan
+
+    def plan(self, seqs: list[SeqSlice], slots: torch.Tensor | None = None) -> None:
+        """Build the step's metadata (slot mapping, gather indices, masks) once for all layers; `slots`: a static
+        buffer of len(seqs) rows to hold the slot mapping (a padded decode step: engine/decode_graphs.py)."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] for the flattened batch -> output [T, H, D]; stores k/v in the pool."""

@@ -37,7 +37,9 @@ class TorchPagedAttention:
         self.slot_mapping: torch.Tensor | None = None
         self.groups: list[_Group] = []
 
-    def plan(self, seqs: list[SeqSlice]) -> None:
+    graphable = False  # its decode metadata changes shape with the longest row: eager only (padded or not)
+
+    def plan(self, seqs: list[SeqSlice], slots: torch.Tensor | None = None) -> None:
         device = self.kv_cache.device
         ps = self.page_size
         write: list[int] = []
@@ -69,7 +71,10 @@ class TorchPagedAttention:
             rows = long_tensor([s.q_start for s in decodes], device)
             self.groups.append(_Group(rows, torch.from_numpy(table).view(-1).to(device),
                                       torch.from_numpy(valid).to(device)[:, None, None, :], is_decode=True))
-        self.slot_mapping = long_tensor(write, device)
+        if slots is None:
+            self.slot_mapping = long_tensor(write, device)
+        else:  # a static buffer (engine/decode_graphs.py)
+            self.slot_mapping = slots.copy_(torch.from_numpy(np.asarray(write, dtype=np.int64)))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_pages, v_pages = self.kv_cache[layer, 0], self.kv_cache[layer, 1]

@@ -13,6 +13,7 @@ import torch
 from voxbackend.attention.base import SeqSlice
 from voxbackend.attention.torch_backend import TorchPagedAttention
 from voxbackend.config import EngineConfig
+from voxbackend.engine.decode_graphs import DecodeGraphs
 from voxbackend.engine.kv_pool import KVPool
 from voxbackend.engine.penalties import PenaltyRows, PenaltyTable
 from voxbackend.ints import long_tensor
@@ -29,6 +30,7 @@ class ModelRunner:
         self.device = config.device
         self.attention = make_attention(config, model, pool)
         self.penalties = PenaltyTable(model.spec, config.device)
+        self.graphs = make_decode_graphs(config, model, self.attention, pool)
 
     @torch.inference_mode()
     def run(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int | list[int]]]:
@@ -55,15 +57,18 @@ class ModelRunner:
                 sampled.append(r)
                 if r.guide is not None:
                     guide_rows.append(guide_last)
-        self.attention.plan(batch.seqs)
         dev = self.device
-        extra = {}
-        if batch.feature_rows:  # only batches with FEATURE rows: models without prompt features keep their signature
-            extra["features"] = PromptFeatures(torch.tensor(batch.feature_rows, device=dev),
-                                               torch.cat(batch.feature_vectors))
-        hidden = self.model.forward(
-            long_tensor(batch.ids, dev), long_tensor(batch.positions, dev), self.attention, **extra
-        )
+        if self.graphs is not None and self.graphs.accepts(batch.seqs, bool(batch.feature_rows)):
+            hidden = self.graphs.forward(batch.ids, batch.positions, batch.seqs)
+        else:
+            self.attention.plan(batch.seqs)
+            extra = {}
+            if batch.feature_rows:  # only batches with FEATURE rows: models without features keep their signature
+                extra["features"] = PromptFeatures(torch.tensor(batch.feature_rows, device=dev),
+                                                   torch.cat(batch.feature_vectors))
+            hidden = self.model.forward(
+                long_tensor(batch.ids, dev), long_tensor(batch.positions, dev), self.attention, **extra
+            )
         if not sampled:
             return []
         # a pure decode step samples every row: no gather
@@ -182,3 +187,16 @@ def make_attention(config: EngineConfig, model: SpeechModel, pool: KVPool):
                 raise
             log.warning("flashinfer is not installed; using the torch attention backend")
     return TorchPagedAttention(pool.cache, pool.page_size, pool.scratch_page, scale)
+
+
+def make_decode_graphs(config: EngineConfig, model: SpeechModel, attention, pool: KVPool) -> DecodeGraphs | None:
+    """Padded decode steps (config.cuda_graphs), captured where the device and attention backend allow."""
+    mode = config.cuda_graphs
+    can_capture = config.device.startswith("cuda") and attention.graphable
+    if mode == "graphs" and not can_capture:
+        raise ValueError("cuda_graphs='graphs' needs a CUDA device and FlashInfer attention; 'padded' runs the same "
+                         "path without capture")
+    if mode == "off" or (mode == "auto" and not can_capture):
+        return None
+    max_rows = config.max_batch * (2 if model.spec.guidance else 1)  # a guided request's unconditioned row too
+    return DecodeGraphs(model, attention, pool.scratch_page, max_rows, config.device, capture=mode != "padded")
