@@ -36,6 +36,9 @@ class EngineConfig:
     # CUDA graphs and replayed (CUDA with FlashInfer attention); padded: the same path run eagerly, on any device
     # (what the CPU tests run); off; auto: graphs where they can be captured, else off
     cuda_graphs: str = "auto"
+    # decode codec windows on their own CUDA stream while the device runs the LM step (engine/codec_stream.py):
+    # on | off | auto (on for CUDA; off on a CPU, where the two cannot run at once and windows would lag a step)
+    overlap_codec: str = "auto"
     # server-side cap on a request's max_tokens (LM steps); above it a request is refused. 0: the model's
     # official maximum (ModelSpec.max_tokens)
     max_tokens_limit: int = 0
@@ -56,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"attention must be auto, torch or flashinfer, got {self.attention!r}")
         if self.cuda_graphs not in ("auto", "graphs", "padded", "off"):
             raise ValueError(f"cuda_graphs must be auto, graphs, padded or off, got {self.cuda_graphs!r}")
+        if self.overlap_codec not in ("auto", "on", "off"):
+            raise ValueError(f"overlap_codec must be auto, on or off, got {self.overlap_codec!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -68,6 +73,10 @@ class EngineConfig:
             return float(self.detok_pace_floor)
         except ValueError:
             raise ValueError(f"detok_pace_floor must be a number or 'auto', got {self.detok_pace_floor!r}") from None
+
+    @property
+    def overlaps_codec(self) -> bool:
+        return self.overlap_codec == "on" or (self.overlap_codec == "auto" and self.device.startswith("cuda"))
 
     @property
     def torch_dtype(self) -> "torch.dtype":

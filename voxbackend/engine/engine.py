@@ -18,6 +18,7 @@ import torch
 
 from voxbackend.config import EngineConfig
 from voxbackend.engine.admission import Admission
+from voxbackend.engine.codec_stream import CodecStream
 from voxbackend.engine.detokenize import Detokenizer
 from voxbackend.engine.inbox import Inbox
 from voxbackend.engine.kv_pool import KVPool
@@ -54,6 +55,7 @@ class Engine:
         self.validator = RequestValidator(model, config, self.pool)
         self.scheduler = make_policy(config)
         self.detokenizer = Detokenizer(model) if model.spec.window else None
+        self.codec_stream = CodecStream(config.device) if self.detokenizer and config.overlaps_codec else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # holds pages (LM), preempted, or LM finished and still detokenizing
         self.admission = Admission(self.pool, self.scheduler, model, config, self.waiting, self.running)
@@ -210,11 +212,14 @@ class Engine:
         lm = self.scheduler.schedule_lm(self.running, now)
         try:
             lm = self.admission.grow(lm, now)
-            if lm:
-                self._run_lm(lm)
-            detok = self._schedule_detok(now, lm_requests=sum(1 for r in self.running if r.on_lm))
-            if detok:
-                self._run_detok(detok)
+            if self.codec_stream is not None:
+                detok = self._overlapped(lm, now)
+            else:
+                if lm:
+                    self._run_lm(lm)
+                detok = self._schedule_detok(now, lm_requests=sum(1 for r in self.running if r.on_lm))
+                if detok:
+                    self._run_detok(detok)
             self._failures = 0
         except Exception as exc:  # noqa: BLE001 - a step failure must not kill other requests' streams
             log.exception("engine step failed")
@@ -255,6 +260,19 @@ class Engine:
 
     def _run_lm(self, plan: list[tuple[Request, int]]) -> None:
         self.output.lm_steps(self.runner.run(plan))  # run() ends with the step's one host transfer
+
+    def _overlapped(self, lm: list[tuple[Request, int]], now: float) -> list[tuple[Request, int]]:
+        """The LM step queued, the codec windows that were ready before it decoded on the codec's stream while
+        the device runs it, then the step's ids (engine/codec_stream.py). Returns the codec plan."""
+        detok = self._schedule_detok(now, lm_requests=sum(1 for r in self.running if r.on_lm))
+        self.codec_stream.mark_before_lm()
+        launched = self.runner.launch(lm) if lm else None
+        if detok:
+            with self.codec_stream.running():
+                self._run_detok(detok)
+        if launched is not None:
+            self.output.lm_steps(launched.collect())
+        return detok
 
     def _schedule_detok(self, now: float, lm_requests: int) -> list[tuple[Request, int]]:
         if self.detokenizer is None:

@@ -32,12 +32,17 @@ class ModelRunner:
         self.penalties = PenaltyTable(model.spec, config.device)
         self.graphs = make_decode_graphs(config, model, self.attention, pool)
 
-    @torch.inference_mode()
     def run(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int | list[int]]]:
         """Run each planned request's next `n` positions (prompt chunks, a resumed prefix, or its last step's
         input) in one flattened forward; returns the requests whose chunk ended their sequence so far, each
         with its sampled step (an id, or a row of every column), on the host. A guided request's unconditioned
         row runs the same positions as a sequence of its own."""
+        return self.launch(plan).collect()
+
+    @torch.inference_mode()
+    def launch(self, plan: list[tuple[Request, int]]) -> "LaunchedStep":
+        """`run` up to its host transfer: on a GPU the step's kernels are queued and the host goes on (the
+        engine decodes codec windows meanwhile); `collect()` waits for the sampled ids."""
         batch = FlatBatch()
         sample_rows: list[int] = []
         sampled: list[Request] = []
@@ -70,7 +75,7 @@ class ModelRunner:
                 long_tensor(batch.ids, dev), long_tensor(batch.positions, dev), self.attention, **extra
             )
         if not sampled:
-            return []
+            return LaunchedStep([], None)
         # a pure decode step samples every row: no gather
         rows = hidden if len(sample_rows) == len(hidden) else hidden[long_tensor(sample_rows, dev)]
         codes = [len(r.codec.codes) for r in sampled]
@@ -92,7 +97,7 @@ class ModelRunner:
             )
         if kept is not None:
             self.penalties.append(sampled, kept, steps)
-        return list(zip(sampled, steps.tolist()))  # the one host transfer of the step
+        return LaunchedStep(sampled, steps)
 
     def _guided_logits(self, rows: torch.Tensor, uncond_rows: torch.Tensor, sampled: list[Request],
                        codes: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -138,6 +143,19 @@ class ModelRunner:
     def _column_vocab(self, column: int) -> int:
         spec = self.model.spec
         return spec.column_vocab[column] if spec.column_vocab else spec.geometry.vocab_size
+
+
+@dataclass
+class LaunchedStep:
+    """An LM step whose sampled ids may still be on their way (queued device work)."""
+
+    sampled: list[Request]
+    steps: torch.Tensor | None  # [rows] ids, or [rows, columns]
+
+    def collect(self) -> list[tuple[Request, int | list[int]]]:
+        if self.steps is None:
+            return []
+        return list(zip(self.sampled, self.steps.tolist()))  # the one host transfer of the step
 
 
 @dataclass
