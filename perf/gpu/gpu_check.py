@@ -4,17 +4,23 @@ Run on a CUDA machine without network, from the repository root:
     bash perf/gpu/run.sh [WHEEL_DIR]
     bash perf/gpu/run.sh --dry-run     # the same steps on CPU at tiny sizes (CI runs it: the script cannot rot)
 Parity: FlashInfer paged attention vs the torch backend on random mixed prefill/decode batches; engine greedy
-tokens on GPU (torch backend, float32) vs CPU. Timings: Orpheus-3B-size random weights (bf16): single-stream
-time to first audio, and LM decode step time against batch size next to the memory-bandwidth floor.
+tokens on GPU (torch backend, float32) vs CPU; greedy tokens with the decode step's CUDA graphs vs without.
+Timings: Orpheus-3B-size random weights (bf16): single-stream time to first audio; LM decode step time against
+batch size, eager and replayed as a CUDA graph, next to the memory-bandwidth floor; a burst of streams with the
+codec on its own stream beside the LM and without; a goodput sweep through tritonserver (p90 TTFA <= 250 ms,
+>= 99% stall-free) where a tritonserver is installed.
 The dry run checks FlashInfer's plan (attention/paged_plan.py) instead of calling its kernel, compares CPU with
-CPU, and times a tiny backbone: its numbers mean nothing, its running does.
+CPU, runs the padded decode path eagerly where a GPU captures it, and times tiny models: its numbers mean
+nothing, its running does.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import datetime
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +30,10 @@ import voxbackend
 from voxbackend.attention.base import SeqSlice
 from voxbackend.attention.paged_plan import paged_plan
 from voxbackend.attention.torch_backend import TorchPagedAttention
+from voxbackend.engine.codec_stream import CodecStream
+from voxbackend.engine.decode_graphs import DecodeGraphs
 from voxbackend.engine.engine import Engine
+from voxbackend.events import EventKind
 from voxbackend.models.base import LMGeometry
 from voxbackend.models.decoder import Decoder, rope_inv_freq
 from voxbackend.models.orpheus.model import AUDIO_BASE, END_OF_SPEECH
@@ -93,6 +102,33 @@ def greedy_parity(lines: list[str], root: Path, device: str = "cuda") -> bool:
     return ok
 
 
+def graphs_parity(lines: list[str], root: Path, device: str = "cuda") -> bool:
+    """Greedy tokens of the tiny Orpheus with the decode step replayed as CUDA graphs (the dry run: the same padded
+    path, eager) equal those without; prompts of different lengths, so batches of 3 pad to the 4-row bucket."""
+    model_dir = write_tiny_orpheus(root / "graphs-orpheus")
+    codec_dir = write_tiny_snac(root / "graphs-snac")
+    mode = "graphs" if device.startswith("cuda") and _has_flashinfer() else "padded"  # capture needs FlashInfer
+    sp = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32)
+    ids = {}
+    for m in (mode, "off"):
+        engine = voxbackend.load(model_dir, codec_dir, device=device, cuda_graphs=m, kv_pages=64)
+        prompts = [engine.model.prepare(text, None) for text in ("Hi.", "A longer second prompt, with more words.",
+                                                                  "And a third one, longer than the first.")]
+        ids[m] = engine.generate_ids(prompts, sp)
+    ok = ids[mode] == ids["off"]
+    lines.append(f"| engine greedy, cuda_graphs={mode} == off | "
+                 f"{sum(a == b for a, b in zip(ids[mode], ids['off']))}/3 prompts | {'PASS' if ok else 'FAIL'} |")
+    return ok
+
+
+def _has_flashinfer() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def orpheus_3b(root: Path, attention: str, device: str = "cuda", sizes: dict = ORPHEUS_3B):
     """An Orpheus engine whose backbone is replaced by random Orpheus-3B-size weights (bf16, on the GPU)."""
     model_dir = write_tiny_orpheus(root / "orpheus")
@@ -128,27 +164,120 @@ def timings(lines: list[str], root: Path, gpu_name: str, device: str = "cuda", s
         first = next(iter(engine.stream("Hey there, how are you doing today?", "tara", sp)))
         ttfa = time.perf_counter() - t0
     lines.append(f"| single-stream time to first audio | {ttfa * 1000:.1f} ms ({len(first)} samples) |")
+    overlap(lines, engine, device, *((16, 280) if device.startswith("cuda") else (4, 84)))
     engine.shutdown()
     floor_bw = next((bw for name, bw in HBM_BYTES_PER_S.items() if name in gpu_name), None)
-    lines.append("\n| decode batch | step ms | weight-read floor ms | tokens/s |\n|---|---|---|---|")
+    graph_kind = "CUDA graph" if device.startswith("cuda") else "padded, eager (dry run)"
+    lines.append(f"\n| decode batch | eager step ms | {graph_kind} step ms | weight-read floor ms | tokens/s (graph) |"
+                 "\n|---|---|---|---|---|")
     m, attn = engine.model, engine.attention
+    graphs = DecodeGraphs(m, attn, engine.pool.scratch_page, 128, device, capture=device.startswith("cuda"))
     for batch in (1, 8, 32, 64, 128):
         seqs = [SeqSlice(i, 1, 255, list(range(i * 17, i * 17 + 17))) for i in range(batch)]
         ids = torch.randint(AUDIO_BASE, 156000, (batch,), device=device)
         pos = torch.full((batch,), 255, device=device)
-        with torch.inference_mode():
-            for _ in range(3):
-                attn.plan(seqs)
-                m.candidate_logits(m.forward(ids, pos, attn), [0] * batch)
-            sync(device)
-            t0, n = time.perf_counter(), 20 if device.startswith("cuda") else 2
-            for _ in range(n):
-                attn.plan(seqs)
-                m.candidate_logits(m.forward(ids, pos, attn), [0] * batch)
-            sync(device)
-        step = (time.perf_counter() - t0) / n
+        host_ids, host_pos = ids.tolist(), pos.tolist()
+
+        def eager():
+            attn.plan(seqs)
+            return m.forward(ids, pos, attn)
+
+        step, graph_step = (_time_step(lambda: m.candidate_logits(run(), [0] * batch), device)
+                            for run in (eager, lambda: graphs.forward(host_ids, host_pos, seqs)))
         floor = f"{params * 2 / floor_bw * 1000:.2f}" if floor_bw else "n/a"
-        lines.append(f"| {batch} | {step * 1000:.2f} | {floor} | {batch / step:.0f} |")
+        lines.append(f"| {batch} | {step * 1000:.2f} | {graph_step * 1000:.2f} | {floor} | {batch / graph_step:.0f} |")
+
+
+def _time_step(run, device: str) -> float:
+    with torch.inference_mode():
+        for _ in range(3):  # warm-up (and, for graphs, capture)
+            run()
+        sync(device)
+        t0, n = time.perf_counter(), 20 if device.startswith("cuda") else 2
+        for _ in range(n):
+            run()
+        sync(device)
+    return (time.perf_counter() - t0) / n
+
+
+def overlap(lines: list[str], engine: Engine, device: str, streams: int, tokens: int) -> None:
+    """A burst of streams with the codec on its own stream beside the LM step, and without (the same running
+    engine, idle between the bursts)."""
+    lines.append(f"\n| codec beside the LM ({streams} streams at once, {tokens} tokens each) | wall s | x real time | "
+                 "TTFA p50 ms |\n|---|---|---|---|")
+    for on in (True, False):
+        engine.codec_stream = CodecStream(device) if on else None  # what overlap_codec on / off builds
+        wall, audio_s, ttfas = _burst(engine, streams, tokens)
+        lines.append(f"| {'on' if on else 'off'} | {wall:.2f} | {audio_s / wall:.1f} | "
+                     f"{sorted(ttfas)[len(ttfas) // 2] * 1000:.0f} |")
+
+
+def _burst(engine: Engine, n: int, tokens: int) -> tuple[float, float, list[float]]:
+    """n streams submitted at once; (wall s, audio s, time to first audio of each)."""
+    rate = engine.model.spec.sample_rate
+    first: dict[str, float] = {}
+    samples, done, lock, finished = [0], set(), threading.Lock(), threading.Event()
+    t0 = time.perf_counter()
+
+    def on_event(e):
+        with lock:
+            if e.kind is EventKind.AUDIO and e.audio is not None and len(e.audio):
+                first.setdefault(e.request_id, time.perf_counter() - t0)
+                samples[0] += len(e.audio)
+            if e.final:
+                done.add(e.request_id)
+                if len(done) == n:
+                    finished.set()
+
+    sp = SamplingParams(temperature=0.6, top_p=0.8, max_tokens=tokens, min_tokens=tokens, seed=3)
+    for i in range(n):
+        engine.submit(engine.model.prepare(f"Stream number {i} says hello.", "tara"), sp, on_event)
+    finished.wait(600)
+    return time.perf_counter() - t0, samples[0] / rate, list(first.values())
+
+
+def goodput_sweep(lines: list[str], root: Path, device: str, sizes: dict, rates: list[float], duration: float) -> None:
+    """Open-loop Poisson rates through tritonserver (voxbackend serve, the orpheus model at these sizes, random
+    weights written as a checkpoint: about 13 GB in float32 at the 3B size, served in bfloat16); goodput = the
+    highest rate with p90 TTFA <= 250 ms and >= 99% of streams stall-free. A machine without tritonserver (the
+    nvidia-pytriton wheel or /opt/tritonserver) skips it, saying so."""
+    from voxbackend import cli
+    from voxbackend.deploy.server import find_tritonserver, free_port
+
+    root_dir = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root_dir))
+    try:
+        find_tritonserver()
+        from clients.loadgen import RequestOptions, load_prompts  # tritonclient
+        from clients.stream_metrics import goodput, markdown_table
+        from perf.goodput import Target, sweep
+    except Exception as e:  # noqa: BLE001 - the machine has no server or client: say so, the other steps stand
+        lines.append(f"\ngoodput sweep through tritonserver: not run ({type(e).__name__}: {e})")
+        return
+
+    ckpt = write_tiny_orpheus(root / "served-orpheus", **{k: v for k, v in sizes.items() if k != "head_dim"})
+    codec = write_tiny_snac(root / "served-snac", decoder_dim=1024 if device.startswith("cuda") else 64)
+    dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    ports = [str(free_port()) for _ in range(3)]
+    args = cli.parser().parse_args(["serve", "--models", "orpheus", "--checkpoint", str(ckpt), "--codec", str(codec),
+                                    "--set", f"device={device}", "--set", f"dtype={dtype}", "--http-port", ports[0],
+                                    "--grpc-port", ports[1], "--metrics-port", ports[2]])
+    server = cli.make_server(args)
+    try:
+        server.start(timeout=600)
+        results, _ = sweep([Target("orpheus", server.grpc_url, "orpheus")], rates,
+                           load_prompts(str(root_dir / "perf/data/prompts.txt")), duration, seed=0, burstiness=1.0,
+                           opts=RequestOptions(max_tokens=280, sampling_seed=0), ttfa_p90=0.25, stall_free=0.99,
+                           stop_after_failures=2, request_timeout=120.0, log=lambda *a: None)
+    except Exception as e:  # noqa: BLE001 - the last step: keep what the others measured
+        lines.append(f"\ngoodput sweep through tritonserver: failed ({type(e).__name__}: {str(e)[-1500:]})")
+        return
+    finally:
+        server.close()
+    best = goodput(results["orpheus"], 0.25, 0.99)
+    lines += ["", f"goodput through tritonserver (orpheus, {dtype}, p90 TTFA <= 250 ms, >= 99% stall-free, Poisson, "
+              f"{duration:.0f} s per rate): {best if best is not None else 'none of the rates'} req/s", "",
+              markdown_table(results["orpheus"])]
 
 
 def main() -> None:
@@ -161,8 +290,11 @@ def main() -> None:
     lines = [f"# GPU check {datetime.date.today()} on {gpu}", "", f"torch {torch.__version__}", "",
              "| check | result | status |", "|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
-        ok = attention_parity(lines, device) & greedy_parity(lines, Path(tmp), device)
+        ok = attention_parity(lines, device) & greedy_parity(lines, Path(tmp), device) & \
+            graphs_parity(lines, Path(tmp), device)
         timings(lines, Path(tmp), gpu, device, sizes)
+        rates, duration = ([0.5], 4.0) if args.dry_run else ([2, 4, 8, 16], 15.0)
+        goodput_sweep(lines, Path(tmp), device, sizes, rates, duration)
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out) / f"{datetime.date.today()}-gpu-check{'-dry-run' if args.dry_run else ''}.md"

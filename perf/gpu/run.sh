@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU check on a CUDA machine with no network (DESIGN section 7): install the wheels brought along, then run.
-# Usage: bash perf/gpu/run.sh [WHEEL_DIR]   (WHEEL_DIR holds flashinfer-python 0.6.18.post1 + apache-tvm-ffi)
+# Usage: bash perf/gpu/run.sh [WHEEL_DIR]   (WHEEL_DIR holds flashinfer-python 0.6.18.post1 + apache-tvm-ffi; the
+#        goodput sweep also needs tritonserver (nvidia-pytriton 0.7.0 or /opt/tritonserver) and tritonclient[grpc]:
+#        without them it says "not run" and the other steps stand)
 #        bash perf/gpu/run.sh --dry-run [OUT_DIR]   the same steps on CPU at tiny sizes, installing nothing (CI)
 # PYTHON picks the interpreter (default python3).
 set -euo pipefail

@@ -44,6 +44,8 @@ ENGINE_PARAMS = {
     "detok_margin_s": "0.15",  # online policy: a stream's windows are decoded once its buffer is below this
     "detok_pace_floor": "auto",  # online policy: near the limit (streams made below this x real time) act as offline
     "attention": "auto",  # auto | torch | flashinfer
+    "cuda_graphs": "auto",  # decode steps as CUDA graphs: auto (on CUDA with FlashInfer) | graphs | padded | off
+    "overlap_codec": "auto",  # codec windows on their own CUDA stream beside the LM step: auto (on CUDA) | on | off
     "drain_grace_s": "15",  # on SIGTERM, open streams may run this long (docs/triton.md, "Stopping")
     "max_tokens_limit": "0",  # largest max_tokens a request may ask; 0 = the model's official maximum
     "engine_loader": "voxbackend:load",  # module:function(model_dir, codec_dir=..., **options) -> engine
