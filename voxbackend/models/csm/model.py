@@ -257,7 +257,7 @@ class Csm(CsmFrontend):
         self.offsets = torch.arange(self.num_codebooks, device=device) * self.vocab
         w.clear()  # the device copies are taken; drop the CPU tensors
         path, prefix = self.codec_source
-        self.codec = MimiDecoder.from_pretrained(path, device=device, prefix=prefix)
+        self.codec = MimiDecoder.from_pretrained(path, device=device, dtype=dtype, prefix=prefix)
 
     # ---------------------------------------------------------------- LM
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:

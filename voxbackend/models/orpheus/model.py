@@ -119,7 +119,7 @@ class Orpheus(OrpheusFrontend):
         super().__init__(model_dir, codec_dir)
         self.device = device
         self.backbone = build_decoder(self.cfg, load_safetensors(model_dir), device, dtype)
-        self.codec = SnacDecoder.from_pretrained(codec_dir, device=device)
+        self.codec = SnacDecoder.from_pretrained(codec_dir, device=device, dtype=dtype)
         if self.codec.sample_rate != self.spec.sample_rate:
             raise ValueError(f"codec sample rate {self.codec.sample_rate} != {self.spec.sample_rate}")
         # Real Orpheus weights emit well-formed frames on their own; the mask only removes impossible tokens.

@@ -27,7 +27,8 @@ class Qwen3TTS(Qwen3TTSFrontend):
         super().__init__(model_dir, codec_dir)
         self.device = device
         self.talker = Qwen3TTSTalker(model_dir, device, dtype)
-        self.codec = Qwen3TTSCodec.from_pretrained(find_speech_tokenizer(Path(model_dir), codec_dir), device=device)
+        self.codec = Qwen3TTSCodec.from_pretrained(find_speech_tokenizer(Path(model_dir), codec_dir), device=device,
+                                                   dtype=dtype)
         codes = self.talker.code_size
         self.candidates = torch.cat([torch.arange(codes), torch.tensor([self.eos])]).to(device)  # ascending
 
