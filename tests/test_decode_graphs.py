@@ -1,6 +1,7 @@
-"""Padded decode steps (engine/decode_graphs.py): the static-buffer path a CUDA graph replays, run eagerly on CPU.
-Every served model's tokens and audio through it equal the unpadded path's, with requests arriving mid-run so
-decode batches of 1-4 rows pad up to their buckets (3 -> 4) beside prefill steps that take the unpadded path."""
+"""Padded decode steps (engine/decode_graphs.py, and the depth pass: models/depth_columns.py): the static-buffer
+path a CUDA graph replays, run eagerly on CPU. Every served model's tokens and audio through it equal the unpadded
+path's, with requests arriving mid-run so decode batches of 1-4 rows pad up to their buckets (3 -> 4) beside
+prefill steps that take the unpadded path."""
 import numpy as np
 import pytest
 
@@ -43,6 +44,8 @@ def test_padded_decode_steps_equal_the_unpadded_path(name):
     prompts = [padded.model.prepare(t, None) for t in TEXTS]
     assert run_staggered(padded, prompts, greedy, every=2) == run_staggered(plain, prompts, greedy, every=2)
     assert 3 in forwards and max(forwards) <= 4 * (2 if padded.model.spec.guidance else 1), forwards
+    if padded.model.depth_columns is not None:  # CSM's depth decoder, Qwen3-TTS' code predictor: padded too
+        assert sorted(padded.model.depth_columns.buckets) == [1, 2, 4], padded.model.depth_columns.buckets
 
     sampled = [(padded.model.prepare(t, None), SamplingParams(temperature=0.8, max_tokens=40, seed=i))
                for i, t in enumerate(TEXTS[:3])]

@@ -41,8 +41,8 @@ def test_the_gpu_scripts_dry_run_takes_every_step_on_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [report] = tmp_path.glob("*-gpu-check-dry-run.md")
     text = report.read_text()
-    assert text.count("| PASS |") == 4 and "FAIL" not in text, text
+    assert text.count("| PASS |") == 5 and "FAIL" not in text, text
     assert "single-stream time to first audio" in text and "\n| 128 | " in text, text
-    assert "cuda_graphs=padded == off" in text and "padded, eager (dry run) step ms" in text, text
+    assert "csm greedy, cuda_graphs=padded == off" in text and "padded, eager (dry run) step ms" in text, text
     assert "\n| on | " in text and "\n| off | " in text, text  # the codec beside the LM, and not
     assert "goodput through tritonserver" in text and "\n| 0.5 |" in text, text  # the sweep's one rate ran

@@ -102,22 +102,28 @@ def greedy_parity(lines: list[str], root: Path, device: str = "cuda") -> bool:
     return ok
 
 
-def graphs_parity(lines: list[str], root: Path, device: str = "cuda") -> bool:
-    """Greedy tokens of the tiny Orpheus with the decode step replayed as CUDA graphs (the dry run: the same padded
-    path, eager) equal those without; prompts of different lengths, so batches of 3 pad to the 4-row bucket."""
-    model_dir = write_tiny_orpheus(root / "graphs-orpheus")
-    codec_dir = write_tiny_snac(root / "graphs-snac")
+def graphs_parity(lines: list[str], device: str = "cuda") -> bool:
+    """Greedy tokens of the tiny Orpheus and CSM (its depth decoder's columns graphed too) with the decode step
+    replayed as CUDA graphs (the dry run: the same padded path, eager) equal those without; prompts of different
+    lengths, so batches of 3 pad to the 4-row bucket."""
+    from voxbackend.models.registry import KINDS
+    from voxbackend.triton.loading import import_object
+
     mode = "graphs" if device.startswith("cuda") and _has_flashinfer() else "padded"  # capture needs FlashInfer
     sp = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32)
-    ids = {}
-    for m in (mode, "off"):
-        engine = voxbackend.load(model_dir, codec_dir, device=device, cuda_graphs=m, kv_pages=64)
-        prompts = [engine.model.prepare(text, None) for text in ("Hi.", "A longer second prompt, with more words.",
-                                                                  "And a third one, longer than the first.")]
-        ids[m] = engine.generate_ids(prompts, sp)
-    ok = ids[mode] == ids["off"]
-    lines.append(f"| engine greedy, cuda_graphs={mode} == off | "
-                 f"{sum(a == b for a, b in zip(ids[mode], ids['off']))}/3 prompts | {'PASS' if ok else 'FAIL'} |")
+    ok = True
+    for name in ("orpheus", "csm"):
+        model_dir, codec_dir = import_object(KINDS[name].tiny_checkpoint)()
+        ids = {}
+        for m in (mode, "off"):
+            engine = voxbackend.load(model_dir, codec_dir, model=name, device=device, cuda_graphs=m, kv_pages=64)
+            prompts = [engine.model.prepare(text, None) for text in (
+                "Hi.", "A longer second prompt, with more words.", "And a third one, longer than the first.")]
+            ids[m] = engine.generate_ids(prompts, sp)
+        same = ids[mode] == ids["off"]
+        ok &= same
+        lines.append(f"| {name} greedy, cuda_graphs={mode} == off | "
+                     f"{sum(a == b for a, b in zip(ids[mode], ids['off']))}/3 prompts | {'PASS' if same else 'FAIL'} |")
     return ok
 
 
@@ -291,7 +297,7 @@ def main() -> None:
              "| check | result | status |", "|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         ok = attention_parity(lines, device) & greedy_parity(lines, Path(tmp), device) & \
-            graphs_parity(lines, Path(tmp), device)
+            graphs_parity(lines, device)
         timings(lines, Path(tmp), gpu, device, sizes)
         rates, duration = ([0.5], 4.0) if args.dry_run else ([2, 4, 8, 16], 15.0)
         goodput_sweep(lines, Path(tmp), device, sizes, rates, duration)

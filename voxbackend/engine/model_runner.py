@@ -13,7 +13,7 @@ import torch
 from voxbackend.attention.base import SeqSlice
 from voxbackend.attention.torch_backend import TorchPagedAttention
 from voxbackend.config import EngineConfig
-from voxbackend.engine.decode_graphs import DecodeGraphs
+from voxbackend.engine.decode_graphs import DecodeGraphs, buckets
 from voxbackend.engine.kv_pool import KVPool
 from voxbackend.engine.penalties import PenaltyRows, PenaltyTable
 from voxbackend.ints import long_tensor
@@ -217,4 +217,7 @@ def make_decode_graphs(config: EngineConfig, model: SpeechModel, attention, pool
     if mode == "off" or (mode == "auto" and not can_capture):
         return None
     max_rows = config.max_batch * (2 if model.spec.guidance else 1)  # a guided request's unconditioned row too
-    return DecodeGraphs(model, attention, pool.scratch_page, max_rows, config.device, capture=mode != "padded")
+    graphs = DecodeGraphs(model, attention, pool.scratch_page, max_rows, config.device, capture=mode != "padded")
+    if model.depth_columns is not None:  # its pass is as long as the step's sampled rows, at most max_batch
+        model.depth_columns.use_buckets(buckets(config.max_batch), capture=mode != "padded")
+    return graphs

@@ -144,6 +144,9 @@ class SpeechModel:
     # carries them from the preprocess to the engine under these names
     conditioning: tuple[TensorSpec, ...] = ()
     max_text_chars: int = 4000  # the most characters one request's text (or the pieces of one utterance) may have
+    # models with a depth transformer whose pass runs column by column (models/depth_columns.py): the engine pads it
+    # to batch-size buckets and replays CUDA graphs of it, as of the backbone's decode step
+    depth_columns = None
 
     # --- preprocessing (CPU, off the engine thread) ---
     def check_text(self, text: Any, field: str = "text", allow_blank: bool = False) -> str:

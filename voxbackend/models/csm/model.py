@@ -24,7 +24,6 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from voxbackend.attention.dense_cache import DenseDepthCache
 from voxbackend.audio_io import read_audio
 from voxbackend.components.mimi.decoder import MimiDecoder
 from voxbackend.components.mimi.encoder import MimiEncoder
@@ -34,6 +33,7 @@ from voxbackend.ints import to_host
 from voxbackend.models.base import ModelSpec, SpeechModel, WindowJob, WindowSpec
 from voxbackend.models.checkpoint import load_safetensors, read_config
 from voxbackend.models.decoder import DecoderConfig, build_decoder
+from voxbackend.models.depth_columns import DepthColumns
 from voxbackend.models.text_tokens import TextTokenizer
 from voxbackend.sampling_params import SamplingParams
 from voxbackend.tensor_spec import TensorSpec
@@ -240,7 +240,6 @@ class Csm(CsmFrontend):
         self.backbone = build_decoder(self.cfg, w, device, dtype, prefix="backbone_model.", embed=False)
         depth_cfg = DecoderConfig.from_hf(read_config(model_dir)["depth_decoder_config"], family="llama")
         self.depth = build_decoder(depth_cfg, w, device, dtype, prefix="depth_decoder.model.", embed=False, head=False)
-        self.depth_geometry = (self.depth.cfg.num_layers, self.depth.cfg.num_kv_heads, self.depth.cfg.head_dim)
 
         def take(*names: str) -> torch.Tensor:  # the first name present (tied tables are saved once)
             for n in names:
@@ -258,6 +257,11 @@ class Csm(CsmFrontend):
         w.clear()  # the device copies are taken; drop the CPU tensors
         path, prefix = self.codec_source
         self.codec = MimiDecoder.from_pretrained(path, device=device, dtype=dtype, prefix=prefix)
+        V = self.vocab
+        self.depth_columns = DepthColumns(  # codebook k enters at position k + 1 through the shared table
+            self.depth, self.num_codebooks, project=lambda x: x @ self.depth_proj.T,
+            head=lambda h, k: (h @ self.depth_heads[k - 1]).float(), embed_first=lambda ids: self.depth_embed[ids],
+            embed_next=lambda ids, k: self.depth_embed[ids + k * V])
 
     # ---------------------------------------------------------------- LM
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
@@ -273,21 +277,8 @@ class Csm(CsmFrontend):
         return self.backbone.logits(hidden)
 
     def depth_step(self, hidden: torch.Tensor, first: torch.Tensor, sample_column) -> torch.Tensor:
-        K, V = self.num_codebooks, self.vocab
-        b = len(first)
-        layers, kv_heads, head_dim = self.depth_geometry
-        cache = DenseDepthCache(layers, b, K, kv_heads, head_dim, hidden)
-        codes = [first]
-        x = torch.stack([hidden, self.depth_embed[first]], dim=1)  # positions 0 and 1
-        for k in range(1, K):
-            t = x.shape[1]
-            positions = torch.arange(cache.start, cache.start + t, device=x.device).repeat(b)
-            h = self.depth.forward_embeds((x @ self.depth_proj.T).reshape(b * t, -1), positions, cache)
-            cache.start += t
-            logits = (h.view(b, t, -1)[:, -1] @ self.depth_heads[k - 1]).float()
-            codes.append(sample_column(logits, k))
-            x = self.depth_embed[codes[-1] + k * V][:, None]  # codebook k enters at position k + 1
-        return torch.stack([*codes, torch.full_like(first, -1)], dim=1)  # the text column is empty
+        codes = self.depth_columns.run(hidden, first, sample_column)
+        return torch.cat([codes, torch.full_like(first, -1)[:, None]], dim=1)  # the text column is empty
 
     # ---------------------------------------------------------------- steps -> codes
     def is_stop(self, step: list[int]) -> bool:

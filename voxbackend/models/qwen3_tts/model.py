@@ -27,6 +27,7 @@ class Qwen3TTS(Qwen3TTSFrontend):
         super().__init__(model_dir, codec_dir)
         self.device = device
         self.talker = Qwen3TTSTalker(model_dir, device, dtype)
+        self.depth_columns = self.talker.depth_columns
         self.codec = Qwen3TTSCodec.from_pretrained(find_speech_tokenizer(Path(model_dir), codec_dir), device=device,
                                                    dtype=dtype)
         codes = self.talker.code_size

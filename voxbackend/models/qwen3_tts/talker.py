@@ -25,9 +25,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from voxbackend.attention.dense_cache import DenseDepthCache
 from voxbackend.models.checkpoint import load_safetensors, read_config
 from voxbackend.models.decoder import DecoderConfig, build_decoder
+from voxbackend.models.depth_columns import DepthColumns
 
 TEXT_COLUMN = -1  # the last column of a row holds the text id
 
@@ -86,6 +86,12 @@ class Qwen3TTSTalker:
         self.predictor_projection = (
             (take(projection + "weight"), take(projection + "bias")) if projection + "weight" in w else None
         )  # absent when the predictor is as wide as the talker (an identity)
+        proj, size = self.predictor_projection, self.code_size
+        self.depth_columns = DepthColumns(  # codebook k enters at position k + 1 through its own table
+            self.predictor, self.num_code_groups, project=(lambda x: F.linear(x, *proj)) if proj else (lambda x: x),
+            head=lambda h, k: (h @ self.predictor_heads[k - 1].T).float(),
+            embed_first=lambda ids: F.embedding(ids, self.codec_embedding),
+            embed_next=lambda ids, k: F.embedding(ids + (k - 1) * size, self.code_embedding))
 
     def project_text(self, text_ids: torch.Tensor) -> torch.Tensor:
         """Text ids [N] -> talker-width embeddings [N, hidden] (text_embedding, then the projection MLP)."""
@@ -121,19 +127,4 @@ class Qwen3TTSTalker:
         """Talker hidden states [B, hidden] and their sampled codebook-0 ids [B] -> the frame's codes [B, groups].
 
         `sample_column(logits [B, codes], k) -> ids [B]` samples codebook k with each row's own parameters."""
-        b, groups = len(first), self.num_code_groups
-        cfg = self.predictor.cfg
-        cache = DenseDepthCache(cfg.num_layers, b, groups, cfg.num_kv_heads, cfg.head_dim, hidden)
-        codes = [first]
-        x = torch.stack([hidden, F.embedding(first, self.codec_embedding)], dim=1)  # positions 0 and 1
-        for k in range(1, groups):
-            t = x.shape[1]
-            if self.predictor_projection is not None:
-                x = F.linear(x, *self.predictor_projection)
-            positions = torch.arange(cache.start, cache.start + t, device=x.device).repeat(b)
-            h = self.predictor.forward_embeds(x.reshape(b * t, -1), positions, cache)
-            cache.start += t
-            codes.append(sample_column((h.view(b, t, -1)[:, -1] @ self.predictor_heads[k - 1].T).float(), k))
-            # codebook k enters at position k + 1 through its own table
-            x = F.embedding(codes[-1] + (k - 1) * self.code_size, self.code_embedding)[:, None]
-        return torch.stack(codes, dim=1)
+        return self.depth_columns.run(hidden, first, sample_column)
