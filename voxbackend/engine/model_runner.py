@@ -218,6 +218,6 @@ def make_decode_graphs(config: EngineConfig, model: SpeechModel, attention, pool
         return None
     max_rows = config.max_batch * (2 if model.spec.guidance else 1)  # a guided request's unconditioned row too
     graphs = DecodeGraphs(model, attention, pool.scratch_page, max_rows, config.device, capture=mode != "padded")
-    if model.depth_columns is not None:  # its pass is as long as the step's sampled rows, at most max_batch
-        model.depth_columns.use_buckets(buckets(config.max_batch), capture=mode != "padded")
+    # the depth pass is as long as the step's sampled rows (at most max_batch), the codec's batch detok_batch windows
+    model.use_graphs(buckets(config.max_batch), buckets(config.detok_batch), capture=mode != "padded")
     return graphs

@@ -148,6 +148,12 @@ class SpeechModel:
     # to batch-size buckets and replays CUDA graphs of it, as of the backbone's decode step
     depth_columns = None
 
+    def use_graphs(self, depth_sizes: list[int], codec_sizes: list[int], capture: bool) -> None:
+        """engine/decode_graphs.py: pad the depth pass, and the codec where its shapes allow (a model that
+        overrides this), to these batch-size buckets, replayed as CUDA graphs when capturing."""
+        if self.depth_columns is not None:
+            self.depth_columns.use_buckets(depth_sizes, capture)
+
     # --- preprocessing (CPU, off the engine thread) ---
     def check_text(self, text: Any, field: str = "text", allow_blank: bool = False) -> str:
         """What every model asks of a text before tokenizing it: a string, not blank, at most max_text_chars."""

@@ -162,6 +162,9 @@ class Orpheus(OrpheusFrontend):
         code = token - AUDIO_BASE - CODEBOOK * (codes_so_far % FRAME)
         return [code] if 0 <= code < CODEBOOK else []
 
+    def use_graphs(self, depth_sizes: list[int], codec_sizes: list[int], capture: bool) -> None:
+        self.codec.use_buckets(codec_sizes, capture)  # every window is 4 frames: a fixed shape per batch size
+
     def detokenize(self, jobs: list[WindowJob]) -> list[np.ndarray]:
         codes = np.stack([j.codes for j in jobs])  # every Orpheus window is 4 frames
         audio = self.codec.decode(frames_to_snac_codes(codes, self.device), [j.seed for j in jobs])

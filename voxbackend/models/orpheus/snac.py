@@ -115,6 +115,9 @@ class SnacDecoder(nn.Module):
         self.register_buffer("tables", torch.zeros(len(vq_strides), codebook_size, self.latent_dim))
         self.decoder = Decoder(self.latent_dim, decoder_dim, self.decoder_rates, noise, depthwise)
         assert math.prod(self.decoder_rates) == self.hop_length
+        self.sizes: list[int] | None = None  # batch-size buckets (use_buckets); None: every batch as it comes
+        self.capture = False
+        self._static: dict[tuple, tuple] = {}  # (bucket, code lengths) -> (codes, noises, graph and output or None)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
@@ -173,12 +176,55 @@ class SnacDecoder(nn.Module):
             z = zi if z is None else z + zi
         return z
 
+    def use_buckets(self, sizes: list[int], capture: bool) -> None:
+        """Pad each call to a batch-size bucket and decode from fixed buffers (engine/decode_graphs.py): a CUDA
+        graph per (bucket, window length) when capturing (Orpheus' windows are all 4 frames), else eagerly."""
+        self.sizes, self.capture, self._static = sizes, capture, {}
+
     @torch.inference_mode()
     def decode(self, codes: list[torch.Tensor], noise_seeds: list[int]) -> torch.Tensor:
         """codes: per codebook [B, T*stride_0/stride_i] (for [4,2,1]: [B,T], [B,2T], [B,4T]) -> audio [B, 1, 4T*hop]."""
         assert len(codes) == len(self.vq_strides)
+        if self.sizes is not None and len(noise_seeds) <= self.sizes[-1]:
+            return self._decode_bucketed(codes, noise_seeds)
         z = self.latents(codes)
         return self.decoder(z, self._draw_noise(z.shape[0], z.shape[-1], noise_seeds))
+
+    def _decode_bucketed(self, codes: list[torch.Tensor], noise_seeds: list[int]) -> torch.Tensor:
+        n = len(noise_seeds)
+        b = next(size for size in self.sizes if size >= n)
+        # dummy rows repeat the first row's codes and seed; their audio is dropped
+        padded = [torch.cat([c, c[:1].expand(b - n, -1)]) if b > n else c for c in codes]
+        seeds = list(noise_seeds) + [noise_seeds[0]] * (b - n)
+        noises = self._draw_noise(b, padded[0].shape[1] * self.vq_strides[0], seeds)
+        key = (b, *(c.shape[1] for c in codes))
+        if key not in self._static:  # the buffers the graph reads: this call's inputs, cloned once
+            self._static[key] = ([c.clone() for c in padded], [x if x is None else x.clone() for x in noises], None)
+        else:
+            for dst, src in zip(self._static[key][0] + self._static[key][1], padded + noises):
+                if dst is not None:
+                    dst.copy_(src)
+        static_codes, static_noises, captured = self._static[key]
+
+        def run() -> torch.Tensor:
+            return self.decoder(self.latents(static_codes), static_noises)
+
+        if not self.capture:
+            return run()[:n]
+        if captured is None:
+            side = torch.cuda.Stream(self.tables.device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                run()  # warm-up before capture, on a side stream as capture requires
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = run()
+            captured = (graph, out)
+            self._static[key] = (static_codes, static_noises, captured)
+        graph, out = captured
+        graph.replay()
+        return out[:n]
 
 
 def _fold_weight_norm(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
