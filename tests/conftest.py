@@ -78,7 +78,7 @@ def tiny_csm():
 # `parity` compares with a reference package (transformers, snac, moshi, qwen_tts, the CosyVoice oracles...);
 # `unit` is the rest. `scripts/test.sh --quick` runs unit + parity, `--unit` only unit.
 _STARTS_TRITON = re.compile(r"TritonServer|start_serve|start_server|triton_util|\"serve\",|\"demo\"|"
-                            r"run_cpu_suite|reliability|serving_ab|run_block\(")
+                            r"run_cpu_suite|reliability|serving_ab|run_block\(|gpu/run\.sh")
 _USES_REFERENCE = re.compile(r"^\s*(import|from) (transformers|snac|moshi|qwen_tts|cosyvoice|flashcosyvoice|"
                              r"s3tokenizer|kaldi_native_fbank|diffusers|tests\.\w*oracle)\b|oracle", re.M)
 

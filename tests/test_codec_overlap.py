@@ -1,6 +1,6 @@
 """The codec beside the LM step (engine/codec_stream.py), on CPU: the same calls in the same order as on a GPU,
-where the codec's stream runs while the LM step is on the device. Every served model's tokens and audio equal the
-sequential engine's, though each step's windows are those ready before its LM step."""
+where the codec's stream runs while the LM step is on the device. Every served model's audio (sampled, so its
+tokens too) equals the sequential engine's, though each step's windows are those ready before its LM step."""
 import numpy as np
 import pytest
 
@@ -9,7 +9,7 @@ from voxbackend import SamplingParams
 from voxbackend.engine.codec_stream import CodecStream
 from voxbackend.models.registry import KINDS
 from voxbackend.triton.loading import import_object
-from tests.util_engine_drive import run_staggered, stream_audio
+from tests.util_engine_drive import stream_audio
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
@@ -72,8 +72,4 @@ def test_overlapped_engine_equals_the_sequential_one(name):
     steps = [s.strip("|").split("|") for s in "|".join(order).split("step") if s.strip("|")]
     both = [s for s in steps if "codec" in s and "lm ids" in s]
     assert both and all(s == ["lm queued", "codec", "lm ids"] for s in both), steps[:20]
-
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
-    prompts = [overlapped.model.prepare(t, None) for t in TEXTS]
-    assert run_staggered(overlapped, prompts, greedy) == run_staggered(sequential, prompts, greedy)
     assert overlapped.pool.used_pages == 0 and not overlapped.running

@@ -1,5 +1,6 @@
 """The FlashInfer backend's plan (attention/paged_plan.py) on CPU: attention read through its CSR arrays, as
-FlashInfer defines them, equals the torch backend on the same batches, and both write the same slots. Only the
+FlashInfer defines them, equals the torch backend on the same batches, and the slots (which both backends use)
+are each row's page and offset by an independent formula. Only the
 FlashInfer kernel call itself needs CUDA (tests/test_gpu.py, perf/gpu/run.sh)."""
 import numpy as np
 import pytest
@@ -59,6 +60,9 @@ def test_attention_through_the_plan_equals_the_torch_backend(shape):
     torch_backend.plan(seqs)
     expected = torch_backend.attend(0, q, k, v)
     plan = paged_plan(seqs, PS)
+    # each new row's slot: its position's page in the sequence's page table, and the offset in that page
+    slots = [s.pages[p // PS] * PS + p % PS for s in seqs for p in range(s.context_len, s.context_len + s.q_len)]
+    assert plan.slot_mapping.tolist() == slots
     assert np.array_equal(plan.slot_mapping, torch_backend.slot_mapping.numpy())
     assert plan.all_decode == all(q_len == 1 for _, q_len in shape)
     assert plan.qo_indptr.dtype == plan.kv_indptr.dtype == plan.kv_indices.dtype == np.int32

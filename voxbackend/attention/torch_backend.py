@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from voxbackend.attention.base import SeqSlice
+from voxbackend.attention.paged_plan import paged_plan
 from voxbackend.ints import long_tensor
 
 
@@ -42,16 +43,13 @@ class TorchPagedAttention:
     def plan(self, seqs: list[SeqSlice], slots: torch.Tensor | None = None) -> None:
         device = self.kv_cache.device
         ps = self.page_size
-        write: list[int] = []
         decodes: list[SeqSlice] = []
         self.groups = []
         for s in seqs:
-            if s.q_len == 1:  # a decode writes one slot
-                write.append(s.pages[s.context_len // ps] * ps + s.context_len % ps)
+            if s.q_len == 1:
                 decodes.append(s)
                 continue
             total = s.context_len + s.q_len
-            write.extend(s.pages[i // ps] * ps + i % ps for i in range(s.context_len, total))
             used = -(-total // ps)
             q_pos = torch.arange(s.context_len, total, device=device)[:, None]
             mask = (torch.arange(used * ps, device=device)[None, :] <= q_pos)[None, None]
@@ -71,10 +69,9 @@ class TorchPagedAttention:
             rows = long_tensor([s.q_start for s in decodes], device)
             self.groups.append(_Group(rows, torch.from_numpy(table).view(-1).to(device),
                                       torch.from_numpy(valid).to(device)[:, None, None, :], is_decode=True))
-        if slots is None:
-            self.slot_mapping = long_tensor(write, device)
-        else:  # a static buffer (engine/decode_graphs.py)
-            self.slot_mapping = slots.copy_(torch.from_numpy(np.asarray(write, dtype=np.int64)))
+        write = torch.from_numpy(paged_plan(seqs, ps).slot_mapping)  # the FlashInfer backend's slots, too
+        # a static buffer (engine/decode_graphs.py) when given
+        self.slot_mapping = write.to(device) if slots is None else slots.copy_(write)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_pages, v_pages = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
