@@ -68,3 +68,19 @@ def test_dummy_rows_write_only_the_scratch_page():
     assert changed == [3, 4, 9, pool.scratch_page], changed
     changed_slots = (pool.cache != before).flatten(4).any(-1).any(0).any(0).nonzero().tolist()
     assert [3, 5] in changed_slots and [9, 17 - ps] in changed_slots and [4, 0] in changed_slots
+
+
+def test_a_capture_that_fails_leaves_the_steps_eager_with_the_same_audio(caplog):
+    """A graph whose capture fails (here: no CUDA at all) is logged once, and its steps run eagerly from the same
+    buffers: a GPU path CI cannot run must not take a server down."""
+    from voxbackend.cuda_graphs import GraphReplayer
+
+    captured, plain = _engine("orpheus", "padded"), _engine("orpheus", "off")
+    captured.runner.graphs.replayer = GraphReplayer("the decode step", "cpu")
+    captured.model.codec.replayer = GraphReplayer("the SNAC decoder", "cpu")
+    request = [(captured.model.prepare("Hello there.", None), SamplingParams(temperature=0.8, max_tokens=40, seed=3))]
+    [a], [b] = stream_audio(captured, request, every=1), stream_audio(plain, request, every=1)
+    np.testing.assert_allclose(a, b, atol=1e-4)
+    assert captured.runner.graphs.replayer.failed and captured.model.codec.replayer.failed
+    failures = [r.getMessage() for r in caplog.records if "capture" in r.getMessage()]
+    assert len(failures) == 2 and "running it eagerly" in failures[0], failures

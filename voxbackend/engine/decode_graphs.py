@@ -5,7 +5,7 @@ step time. A step whose rows are all decodes (no prompt chunk, no prompt feature
 (1, 2, 4, 8, then multiples of 8) with dummy rows: each a one-token sequence on the scratch page, whose key and
 value land in that page and whose output is dropped. Its ids, positions and KV slots are copied into buffers that
 never move, the attention is planned for the padded batch, and the bucket's graph, captured at its first use,
-replays the backbone.
+replays the backbone (voxbackend/cuda_graphs.py; a capture that fails leaves the steps eager).
 
 mode "padded" runs the same padded, static-buffer path eagerly on any device (the CPU tests check it equals the
 unpadded path); "graphs" also captures and replays (CUDA, with an attention backend whose plan lives in static
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from voxbackend.attention.base import SeqSlice
+from voxbackend.cuda_graphs import GraphReplayer
 
 
 def buckets(max_rows: int) -> list[int]:
@@ -34,12 +35,10 @@ class DecodeGraphs:
         self.scratch_page = scratch_page
         self.sizes = buckets(max_rows)
         self.device = device
-        self.capture = capture
         self.ids: torch.Tensor | None = None  # [max_rows, *id shape], made at the first step (the id shape)
         self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.slots = torch.zeros(max_rows, dtype=torch.long, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replayer = GraphReplayer("the decode step", device) if capture else None
 
     def accepts(self, seqs: list[SeqSlice], has_features: bool) -> bool:
         return not has_features and len(seqs) <= self.sizes[-1] and all(s.q_len == 1 for s in seqs)
@@ -57,23 +56,8 @@ class DecodeGraphs:
         self.positions[:b].copy_(torch.from_numpy(np.asarray(positions + [0] * (b - n), dtype=np.int64)))
         dummies = [SeqSlice(q_start=i, q_len=1, context_len=0, pages=[self.scratch_page]) for i in range(n, b)]
         self.attention.plan(seqs + dummies, slots=self.slots[:b])
-        if not self.capture:
-            return self.model.forward(self.ids[:b], self.positions[:b], self.attention)[:n]
-        if b not in self.graphs:
-            self.graphs[b] = self._capture(b)
-        graph, out = self.graphs[b]
-        graph.replay()
-        return out[:n]
 
-    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # a warm-up run first, on a side stream as capture requires (lazy initialisations must not be captured);
-        # it writes the same keys and values the replay will
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.model.forward(self.ids[:b], self.positions[:b], self.attention)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.model.forward(self.ids[:b], self.positions[:b], self.attention)
-        return graph, out
+        def run() -> torch.Tensor:
+            return self.model.forward(self.ids[:b], self.positions[:b], self.attention)
+
+        return (run() if self.replayer is None else self.replayer.run(b, run))[:n]

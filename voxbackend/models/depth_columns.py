@@ -13,12 +13,13 @@ the unpadded one).
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from voxbackend.attention.dense_cache import DenseDepthCache
+from voxbackend.cuda_graphs import GraphReplayer
 
 
 @dataclass
@@ -26,7 +27,6 @@ class _Bucket:
     first_input: torch.Tensor  # [b, 2, hidden]: the backbone's state and codebook 0's embedding (positions 0, 1)
     next_input: torch.Tensor  # [b, 1, hidden]: the last sampled codebook's embedding
     cache: DenseDepthCache
-    graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = field(default_factory=dict)
 
 
 class DepthColumns:
@@ -38,13 +38,13 @@ class DepthColumns:
         self.decoder, self.columns = decoder, columns
         self.project, self.head, self.embed_first, self.embed_next = project, head, embed_first, embed_next
         self.sizes: list[int] | None = None
-        self.capture = False
         self.buckets: dict[int, _Bucket] = {}
-        self.pool = None
+        self.replayer: GraphReplayer | None = None
 
     def use_buckets(self, sizes: list[int], capture: bool) -> None:
-        self.sizes, self.capture = sizes, capture
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.sizes, self.buckets = sizes, {}
+        device = next(self.decoder.parameters()).device
+        self.replayer = GraphReplayer("the depth pass", device) if capture else None
 
     def run(self, hidden: torch.Tensor, first: torch.Tensor, sample_column) -> torch.Tensor:
         """hidden [B, hidden], codebook 0 ids [B] -> the frame's codes [B, columns]; `sample_column(logits, k)`."""
@@ -102,18 +102,4 @@ class DepthColumns:
             bucket.cache.start = 0 if k == 1 else k  # positions 0-1 first, then codebook k's own position
             return self._column(x, bucket.cache, k)
 
-        if not self.capture:
-            return column()
-        if k not in bucket.graphs:
-            side = torch.cuda.Stream(x.device)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                column()  # warm-up before capture, on a side stream as capture requires
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = column()
-            bucket.graphs[k] = (graph, out)
-        graph, out = bucket.graphs[k]
-        graph.replay()
-        return out
+        return column() if self.replayer is None else self.replayer.run((b, k), column)

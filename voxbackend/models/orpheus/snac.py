@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from voxbackend.cuda_graphs import GraphReplayer
+
 
 class Snake1d(nn.Module):
     def __init__(self, channels: int):
@@ -116,8 +118,8 @@ class SnacDecoder(nn.Module):
         self.decoder = Decoder(self.latent_dim, decoder_dim, self.decoder_rates, noise, depthwise)
         assert math.prod(self.decoder_rates) == self.hop_length
         self.sizes: list[int] | None = None  # batch-size buckets (use_buckets); None: every batch as it comes
-        self.capture = False
-        self._static: dict[tuple, tuple] = {}  # (bucket, code lengths) -> (codes, noises, graph and output or None)
+        self.replayer: GraphReplayer | None = None
+        self._static: dict[tuple, tuple] = {}  # (bucket, code lengths) -> the codes and noises a graph reads
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
@@ -179,7 +181,8 @@ class SnacDecoder(nn.Module):
     def use_buckets(self, sizes: list[int], capture: bool) -> None:
         """Pad each call to a batch-size bucket and decode from fixed buffers (engine/decode_graphs.py): a CUDA
         graph per (bucket, window length) when capturing (Orpheus' windows are all 4 frames), else eagerly."""
-        self.sizes, self.capture, self._static = sizes, capture, {}
+        self.sizes, self._static = sizes, {}
+        self.replayer = GraphReplayer("the SNAC decoder", self.tables.device) if capture else None
 
     @torch.inference_mode()
     def decode(self, codes: list[torch.Tensor], noise_seeds: list[int]) -> torch.Tensor:
@@ -198,33 +201,18 @@ class SnacDecoder(nn.Module):
         seeds = list(noise_seeds) + [noise_seeds[0]] * (b - n)
         noises = self._draw_noise(b, padded[0].shape[1] * self.vq_strides[0], seeds)
         key = (b, *(c.shape[1] for c in codes))
-        if key not in self._static:  # the buffers the graph reads: this call's inputs, cloned once
-            self._static[key] = ([c.clone() for c in padded], [x if x is None else x.clone() for x in noises], None)
+        if key not in self._static:  # the buffers a graph reads: this call's inputs, cloned once
+            self._static[key] = ([c.clone() for c in padded], [x if x is None else x.clone() for x in noises])
         else:
             for dst, src in zip(self._static[key][0] + self._static[key][1], padded + noises):
                 if dst is not None:
                     dst.copy_(src)
-        static_codes, static_noises, captured = self._static[key]
+        static_codes, static_noises = self._static[key]
 
         def run() -> torch.Tensor:
             return self.decoder(self.latents(static_codes), static_noises)
 
-        if not self.capture:
-            return run()[:n]
-        if captured is None:
-            side = torch.cuda.Stream(self.tables.device)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                run()  # warm-up before capture, on a side stream as capture requires
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = run()
-            captured = (graph, out)
-            self._static[key] = (static_codes, static_noises, captured)
-        graph, out = captured
-        graph.replay()
-        return out[:n]
+        return (run() if self.replayer is None else self.replayer.run(key, run))[:n]
 
 
 def _fold_weight_norm(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
