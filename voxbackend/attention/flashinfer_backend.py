@@ -19,6 +19,8 @@ WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
 class FlashInferPagedAttention:
+    graphable = True  # its decode plan lives in static buffers (one CUDA-graph wrapper per bucket)
+
     def __init__(self, kv_cache: torch.Tensor, page_size: int, scratch_page: int, scale: float, geometry: LMGeometry):
         import flashinfer  # imported here so CPU installs never need it
 
@@ -33,8 +35,6 @@ class FlashInferPagedAttention:
         self.graph_decode: dict[int, object] = {}  # rows -> a decode wrapper whose plan lives in static buffers
         self.slot_mapping: torch.Tensor | None = None
         self.wrapper = None
-
-    graphable = True
 
     def plan(self, seqs: list[SeqSlice], slots: torch.Tensor | None = None) -> None:
         p, ps, g = paged_plan(seqs, self.page_size), self.page_size, self.geometry

@@ -29,6 +29,8 @@ class _Group:
 
 
 class TorchPagedAttention:
+    graphable = False  # its decode metadata changes shape with the longest row: eager only (padded or not)
+
     def __init__(self, kv_cache: torch.Tensor, page_size: int, scratch_page: int, scale: float):
         # kv_cache: [layers, 2, pages, page_size, kv_heads, head_dim]
         self.kv_cache = kv_cache
@@ -37,8 +39,6 @@ class TorchPagedAttention:
         self.scale = scale
         self.slot_mapping: torch.Tensor | None = None
         self.groups: list[_Group] = []
-
-    graphable = False  # its decode metadata changes shape with the longest row: eager only (padded or not)
 
     def plan(self, seqs: list[SeqSlice], slots: torch.Tensor | None = None) -> None:
         device = self.kv_cache.device
