@@ -301,19 +301,28 @@ def main() -> None:
     gpu = "CPU (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
     lines = [f"# GPU check {datetime.date.today()} on {gpu}", "", f"torch {torch.__version__}", "",
              "| check | result | status |", "|---|---|---|"]
-    with tempfile.TemporaryDirectory() as tmp:
-        ok = attention_parity(lines, device) & greedy_parity(lines, Path(tmp), device) & \
-            graphs_parity(lines, device)
-        timings(lines, Path(tmp), gpu, device, sizes)
-        rates, duration = ([0.5], 4.0) if args.dry_run else ([2, 4, 8, 16], 15.0)
-        goodput_sweep(lines, Path(tmp), device, sizes, rates, duration)
-    text = "\n".join(lines) + "\n"
-    print(text)
     out = Path(args.out) / f"{datetime.date.today()}-gpu-check{'-dry-run' if args.dry_run else ''}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+
+    def step(name: str, run):
+        """One step, then the report so far on disk: a run cut off by a time limit keeps what it measured."""
+        result = run()
+        out.write_text("\n".join(lines) + f"\n\n({name} done at {time.monotonic() - t0:.0f} s)\n")
+        return result
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ok = step("attention parity", lambda: attention_parity(lines, device))
+        ok &= step("greedy parity", lambda: greedy_parity(lines, Path(tmp), device))
+        ok &= step("graphs parity", lambda: graphs_parity(lines, device))
+        step("timings", lambda: timings(lines, Path(tmp), gpu, device, sizes))
+        rates, duration = ([0.5], 4.0) if args.dry_run else ([2, 4, 8, 16], 15.0)
+        step("goodput sweep", lambda: goodput_sweep(lines, Path(tmp), device, sizes, rates, duration))
+    lines.append(f"\nAll steps: {time.monotonic() - t0:.0f} s.")
+    text = "\n".join(lines) + "\n"
+    print(text)
     out.write_text(text)
     raise SystemExit(0 if ok else 1)
-
 
 if __name__ == "__main__":
     main()
