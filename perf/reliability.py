@@ -1355,7 +1355,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="results file (default perf/results/<date>-<commit>-<machine>-reliability.md)")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--list", action="store_true", help="print the probes and bad inputs, run nothing")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an engine parameter of the main server, as `voxbackend serve --set` takes it (e.g. "
+                    "cuda_graphs=padded, overlap_codec=on: the GPU's code paths on a CPU)")
     a = ap.parse_args(argv)
+    bad = [x for x in a.set if "=" not in x]
+    if bad:
+        ap.error(f"--set takes KEY=VALUE, got {bad}")
     if a.soak_requests is None:
         a.soak_requests = 150 if a.quick else 1000
     return a
@@ -1378,7 +1384,7 @@ def main(argv: list[str] | None = None) -> int:
     # playback_margin_s: with KV pages that grow, a new stream (pressing: no audio yet) may preempt running streams
     # that are comfortably ahead of their listeners instead of waiting; a huge margin keeps every stream pressing,
     # so the probes that need requests really waiting in the queue (kill_queued, overload) can fill it
-    settings = {"max_queue": str(MAX_QUEUE), "playback_margin_s": "1000"}
+    settings = {"max_queue": str(MAX_QUEUE), "playback_margin_s": "1000", **dict(x.split("=", 1) for x in args.set)}
     results: list[Result] = []
     try:
         if models:
