@@ -217,7 +217,7 @@ class Engine:
             else:
                 if lm:
                     self._run_lm(lm)
-                detok = self._schedule_detok(now, lm_requests=sum(1 for r in self.running if r.on_lm))
+                detok = self._schedule_detok(now)
                 if detok:
                     self._run_detok(detok)
             self._failures = 0
@@ -264,7 +264,7 @@ class Engine:
     def _overlapped(self, lm: list[tuple[Request, int]], now: float) -> list[tuple[Request, int]]:
         """The LM step queued, the codec windows that were ready before it decoded on the codec's stream while
         the device runs it, then the step's ids (engine/codec_stream.py). Returns the codec plan."""
-        detok = self._schedule_detok(now, lm_requests=sum(1 for r in self.running if r.on_lm))
+        detok = self._schedule_detok(now)
         self.codec_stream.mark_before_lm()
         launched = self.runner.launch(lm) if lm else None
         if detok:
@@ -274,10 +274,11 @@ class Engine:
             self.output.lm_steps(launched.collect())
         return detok
 
-    def _schedule_detok(self, now: float, lm_requests: int) -> list[tuple[Request, int]]:
+    def _schedule_detok(self, now: float) -> list[tuple[Request, int]]:
         if self.detokenizer is None:
             return []
         ready = [(r, n) for r in self.running if (n := self.detokenizer.ready(r)) > 0]
+        lm_requests = sum(1 for r in self.running if r.on_lm)
         return self.scheduler.schedule_detok(ready, lm_requests, now, self.model.spec.window.stateful)
 
     @torch.inference_mode()
