@@ -8,7 +8,7 @@ import pytest
 import voxbackend
 from voxbackend import SamplingParams
 from voxbackend.attention.base import SeqSlice
-from voxbackend.engine.decode_graphs import buckets
+from voxbackend.cuda_graphs import buckets
 from voxbackend.models.registry import KINDS
 from voxbackend.triton.loading import import_object
 from tests.util_engine_drive import run_staggered, stream_audio

@@ -13,19 +13,11 @@ buffers: FlashInfer).
 """
 from __future__ import annotations
 
-import bisect
-
 import numpy as np
 import torch
 
 from voxbackend.attention.base import SeqSlice
-from voxbackend.cuda_graphs import GraphReplayer
-
-
-def buckets(max_rows: int) -> list[int]:
-    """1, 2, 4, 8, 16, 24, ... up to max_rows (always included)."""
-    sizes = [b for b in (1, 2, 4) if b < max_rows] + list(range(8, max_rows, 8))
-    return sizes + [max_rows]
+from voxbackend.cuda_graphs import GraphReplayer, bucket_for, buckets, pad_rows
 
 
 class DecodeGraphs:
@@ -46,13 +38,12 @@ class DecodeGraphs:
     def forward(self, ids: list, positions: list[int], seqs: list[SeqSlice]) -> torch.Tensor:
         """The backbone's hidden states of a decode step's rows [n, hidden], through the padded bucket."""
         n = len(seqs)
-        b = self.sizes[bisect.bisect_left(self.sizes, n)]
-        rows = np.asarray(ids, dtype=np.int64)
+        b = bucket_for(self.sizes, n)
+        rows = torch.from_numpy(np.asarray(ids, dtype=np.int64))
         if self.ids is None:
             self.ids = torch.zeros((self.sizes[-1], *rows.shape[1:]), dtype=torch.long, device=self.device)
         # dummy rows repeat the first row's input (valid for every model's embedding) at position 0
-        padded = np.concatenate([rows, np.repeat(rows[:1], b - n, axis=0)])
-        self.ids[:b].copy_(torch.from_numpy(padded))
+        self.ids[:b].copy_(pad_rows(rows, b))
         self.positions[:b].copy_(torch.from_numpy(np.asarray(positions + [0] * (b - n), dtype=np.int64)))
         dummies = [SeqSlice(q_start=i, q_len=1, context_len=0, pages=[self.scratch_page]) for i in range(n, b)]
         self.attention.plan(seqs + dummies, slots=self.slots[:b])

@@ -13,7 +13,8 @@ import torch
 from voxbackend.attention.base import SeqSlice
 from voxbackend.attention.torch_backend import TorchPagedAttention
 from voxbackend.config import EngineConfig
-from voxbackend.engine.decode_graphs import DecodeGraphs, buckets
+from voxbackend.cuda_graphs import buckets
+from voxbackend.engine.decode_graphs import DecodeGraphs
 from voxbackend.engine.kv_pool import KVPool
 from voxbackend.engine.penalties import PenaltyRows, PenaltyTable
 from voxbackend.ints import long_tensor
@@ -216,8 +217,8 @@ def make_decode_graphs(config: EngineConfig, model: SpeechModel, attention, pool
                          "path without capture")
     if mode == "off" or (mode == "auto" and not can_capture):
         return None
+    capture = mode != "padded"
     max_rows = config.max_batch * (2 if model.spec.guidance else 1)  # a guided request's unconditioned row too
-    graphs = DecodeGraphs(model, attention, pool.scratch_page, max_rows, config.device, capture=mode != "padded")
     # the depth pass is as long as the step's sampled rows (at most max_batch), the codec's batch detok_batch windows
-    model.use_graphs(buckets(config.max_batch), buckets(config.detok_batch), capture=mode != "padded")
-    return graphs
+    model.use_graphs(buckets(config.max_batch), buckets(config.detok_batch), capture)
+    return DecodeGraphs(model, attention, pool.scratch_page, max_rows, config.device, capture)

@@ -12,14 +12,13 @@ the unpadded one).
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from voxbackend.attention.dense_cache import DenseDepthCache
-from voxbackend.cuda_graphs import GraphReplayer
+from voxbackend.cuda_graphs import GraphReplayer, bucket_for, pad_rows
 
 
 @dataclass
@@ -74,19 +73,15 @@ class DepthColumns:
 
     def _bucketed(self, hidden: torch.Tensor, first: torch.Tensor, sample_column) -> torch.Tensor:
         n = len(first)
-        b = self.sizes[bisect.bisect_left(self.sizes, n)]
+        b = bucket_for(self.sizes, n)
         bucket = self.buckets.get(b) or self._new_bucket(b, hidden)
-
-        def padded(rows: torch.Tensor) -> torch.Tensor:  # dummy rows repeat the first; their samples are dropped
-            return torch.cat([rows, rows[:1].expand(b - n, *rows.shape[1:])]) if b > n else rows
-
-        bucket.first_input.copy_(torch.stack([padded(hidden), self.embed_first(padded(first))], dim=1))
+        bucket.first_input.copy_(torch.stack([pad_rows(hidden, b), self.embed_first(pad_rows(first, b))], dim=1))
         codes = [first]
         for k in range(1, self.columns):
-            logits = self._static_column(bucket, b, k)
+            logits = self._static_column(bucket, k)  # the dummy rows' samples are dropped
             codes.append(sample_column(logits[:n], k))
             if k + 1 < self.columns:
-                bucket.next_input.copy_(self.embed_next(padded(codes[-1]), k)[:, None])
+                bucket.next_input.copy_(self.embed_next(pad_rows(codes[-1], b), k)[:, None])
         return torch.stack(codes, dim=1)
 
     def _new_bucket(self, b: int, like: torch.Tensor) -> _Bucket:
@@ -95,11 +90,11 @@ class DepthColumns:
         self.buckets[b] = bucket
         return bucket
 
-    def _static_column(self, bucket: _Bucket, b: int, k: int) -> torch.Tensor:
+    def _static_column(self, bucket: _Bucket, k: int) -> torch.Tensor:
         x = bucket.first_input if k == 1 else bucket.next_input
 
         def column() -> torch.Tensor:
             bucket.cache.start = 0 if k == 1 else k  # positions 0-1 first, then codebook k's own position
             return self._column(x, bucket.cache, k)
 
-        return column() if self.replayer is None else self.replayer.run((b, k), column)
+        return column() if self.replayer is None else self.replayer.run((len(x), k), column)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from voxbackend.cuda_graphs import GraphReplayer
+from voxbackend.cuda_graphs import GraphReplayer, bucket_for, pad_rows
 
 
 class Snake1d(nn.Module):
@@ -195,9 +195,9 @@ class SnacDecoder(nn.Module):
 
     def _decode_bucketed(self, codes: list[torch.Tensor], noise_seeds: list[int]) -> torch.Tensor:
         n = len(noise_seeds)
-        b = next(size for size in self.sizes if size >= n)
+        b = bucket_for(self.sizes, n)
         # dummy rows repeat the first row's codes and seed; their audio is dropped
-        padded = [torch.cat([c, c[:1].expand(b - n, -1)]) if b > n else c for c in codes]
+        padded = [pad_rows(c, b) for c in codes]
         seeds = list(noise_seeds) + [noise_seeds[0]] * (b - n)
         noises = self._draw_noise(b, padded[0].shape[1] * self.vq_strides[0], seeds)
         key = (b, *(c.shape[1] for c in codes))
