@@ -7,48 +7,40 @@ steps (measured on this machine: Orpheus 14 of 40 tokens equal, CSM 2, Qwen3-TTS
 compared on the same tokens (the LM forced onto the float32 run's), where the numbers mean something. The cloning
 front ends (speaker encoders, S3 tokenizers) run in the preprocess step on the CPU in float32 whatever the engine's
 dtype: once per request on a clip of seconds, not per step."""
-import threading
 
 import numpy as np
 import pytest
 import torch
 
-import voxbackend
 from voxbackend import SamplingParams
-from voxbackend.events import EventKind
-from voxbackend.models.registry import KINDS
-from voxbackend.triton.loading import import_object
+from tests.util_engine_drive import SERVED, tiny_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
-SERVED = [name for name, kind in KINDS.items() if kind.served]
 
+def _greedy(name: str, dtype: str, forced: list | None = None) -> tuple[list, np.ndarray]:
+    """A greedy run (its LM steps and its audio); with `forced`, each step's sampled ids are replaced by those given
+    (teacher forcing: they are also the next step's input), so the codec decodes the same tokens."""
+    engine = tiny_engine(name, dtype=dtype)
+    steps, run = [], engine.runner.run
 
-def _greedy(model_dir, codec_dir, name: str, dtype: str) -> tuple[list[int], np.ndarray]:
-    engine = voxbackend.load(model_dir, codec_dir, model=name, dtype=dtype)
-    done, out = threading.Event(), {"audio": [], "ids": None, "error": None}
+    def recorded(plan):
+        out = run(plan)
+        if forced is not None:
+            out = [(r, forced[len(steps) + i]) for i, (r, _) in enumerate(out)]
+        steps.extend(step for _, step in out)
+        return out
 
-    def on_event(e) -> None:
-        if e.kind is EventKind.AUDIO:
-            out["audio"].append(e.audio)
-        elif e.kind is EventKind.ERROR:
-            out["error"] = e.error
-        if e.final:
-            out["ids"] = e.token_ids or []
-            done.set()
-
-    engine.submit(engine.model.prepare("Hello there.", None), SamplingParams(temperature=0, max_tokens=40, seed=0),
-                  on_event)
-    engine._wait(done)
-    assert out["error"] is None, f"{name} {dtype}: {out['error']}"
-    return out["ids"], np.concatenate(out["audio"]) if out["audio"] else np.zeros(0, np.float32)
+    engine.runner.run = recorded
+    audio = engine.synthesize("Hello there, how are you?", None,
+                              SamplingParams(temperature=0, max_tokens=48, min_tokens=48, seed=0))[0]
+    return steps, audio
 
 
 @pytest.mark.parametrize("name", SERVED)
 def test_every_served_model_synthesizes_in_bfloat16(name):
-    model_dir, codec_dir = import_object(KINDS[name].tiny_checkpoint)()
-    ids32, audio32 = _greedy(model_dir, codec_dir, name, "float32")
-    ids16, audio16 = _greedy(model_dir, codec_dir, name, "bfloat16")
+    ids32, audio32 = _greedy(name, "float32")
+    ids16, audio16 = _greedy(name, "bfloat16")
     first = [ids[0][0] if isinstance(ids[0], list) else ids[0] for ids in (ids32, ids16)]  # CSM: a frame's codebook 0
     assert first[0] == first[1]
     assert audio16.dtype == np.float32 and audio16.size > 0 and np.isfinite(audio16).all()
@@ -106,25 +98,6 @@ def test_hifts_float32_parts_stay_float32_and_unrounded_in_a_bfloat16_model():
     assert hift.stft_window.dtype == torch.float32
 
 
-def _forced_run(model_dir, codec_dir, name: str, dtype: str, forced: list | None) -> tuple[list, np.ndarray]:
-    """A greedy run whose LM steps are recorded; with `forced`, each step's sampled ids are replaced by the recorded
-    ones (teacher forcing: they are also the next step's input), so the codec decodes the same tokens."""
-    engine = voxbackend.load(model_dir, codec_dir, model=name, dtype=dtype)
-    steps, run = [], engine.runner.run
-
-    def recorded(plan):
-        out = run(plan)
-        if forced is not None:
-            out = [(r, forced[len(steps) + i]) for i, (r, _) in enumerate(out)]
-        steps.extend(step for _, step in out)
-        return out
-
-    engine.runner.run = recorded
-    audio = engine.synthesize("Hello there, how are you?", None,
-                              SamplingParams(temperature=0, max_tokens=48, min_tokens=48, seed=0))[0]
-    return steps, audio
-
-
 # bounds on the relative error of the waveform and of its STFT magnitudes, same tokens; measured on this machine:
 # orpheus 0.96% / 0.64%, csm 1.3% / 0.81%, qwen3_tts 2.7% / 1.6%, cosyvoice2 7.4% / 1.9%, chatterbox 6.3% / 2.8%,
 # chatterbox_turbo 3.2% / 1.2% (the flow models' waveforms drift in phase with their F0; their spectra do not)
@@ -138,9 +111,8 @@ CODEC_BF16 = {
 def test_each_codec_in_bfloat16_is_close_to_float32_on_the_same_tokens(name):
     """The whole model in bfloat16, its LM forced onto the float32 run's tokens: SNAC, Mimi, the Qwen3 codec and
     the flow + HiFT decoders each hear the same codes, and their audio stays near the float32 audio."""
-    model_dir, codec_dir = import_object(KINDS[name].tiny_checkpoint)()
-    steps, audio32 = _forced_run(model_dir, codec_dir, name, "float32", None)
-    forced, audio16 = _forced_run(model_dir, codec_dir, name, "bfloat16", steps)
+    steps, audio32 = _greedy(name, "float32")
+    forced, audio16 = _greedy(name, "bfloat16", forced=steps)
     assert forced == steps and audio16.size == audio32.size > 0
     a, b = torch.from_numpy(audio32), torch.from_numpy(audio16)
     waveform, spectrum = CODEC_BF16[name]

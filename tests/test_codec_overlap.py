@@ -4,22 +4,13 @@ tokens too) equals the sequential engine's, though each step's windows are those
 import numpy as np
 import pytest
 
-import voxbackend
 from voxbackend import SamplingParams
 from voxbackend.engine.codec_stream import CodecStream
-from voxbackend.models.registry import KINDS
-from voxbackend.triton.loading import import_object
-from tests.util_engine_drive import stream_audio
+from tests.util_engine_drive import SERVED, stream_audio, tiny_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
-SERVED = [name for name, kind in KINDS.items() if kind.served]
 TEXTS = ["Hello there.", "A second, longer request arrives.", "Third."]
-
-
-def _engine(name: str, overlap: str):
-    model_dir, codec_dir = import_object(KINDS[name].tiny_checkpoint)()
-    return voxbackend.load(model_dir, codec_dir, model=name, overlap_codec=overlap)
 
 
 def test_overlap_is_on_for_cuda_only_unless_asked():
@@ -47,7 +38,7 @@ def test_codec_runs_only_after_the_event_before_the_lm_step():
 
 @pytest.mark.parametrize("name", SERVED)
 def test_overlapped_engine_equals_the_sequential_one(name):
-    overlapped, sequential = _engine(name, "on"), _engine(name, "off")
+    overlapped, sequential = tiny_engine(name, overlap_codec="on"), tiny_engine(name, overlap_codec="off")
     assert sequential.codec_stream is None and overlapped.codec_stream is not None
     order: list[str] = []
     runner, launch = overlapped.runner, overlapped.runner.launch

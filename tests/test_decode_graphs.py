@@ -5,17 +5,13 @@ prefill steps that take the unpadded path."""
 import numpy as np
 import pytest
 
-import voxbackend
 from voxbackend import SamplingParams
 from voxbackend.attention.base import SeqSlice
 from voxbackend.cuda_graphs import buckets
-from voxbackend.models.registry import KINDS
-from voxbackend.triton.loading import import_object
-from tests.util_engine_drive import run_staggered, stream_audio
+from tests.util_engine_drive import SERVED, run_staggered, stream_audio, tiny_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
-SERVED = [name for name, kind in KINDS.items() if kind.served]
 TEXTS = ["Hello there.", "A second, longer request arrives.", "Third.", "And a fourth one to pad the bucket."]
 
 
@@ -27,14 +23,9 @@ def test_buckets():
     assert buckets(20) == [1, 2, 4, 8, 16, 20]
 
 
-def _engine(name: str, mode: str):
-    model_dir, codec_dir = import_object(KINDS[name].tiny_checkpoint)()
-    return voxbackend.load(model_dir, codec_dir, model=name, cuda_graphs=mode)
-
-
 @pytest.mark.parametrize("name", SERVED)
 def test_padded_decode_steps_equal_the_unpadded_path(name):
-    padded, plain = _engine(name, "padded"), _engine(name, "off")
+    padded, plain = tiny_engine(name, cuda_graphs="padded"), tiny_engine(name, cuda_graphs="off")
     assert plain.runner.graphs is None and padded.runner.graphs is not None
     forwards = []
     graphs_forward = padded.runner.graphs.forward
@@ -58,7 +49,7 @@ def test_padded_decode_steps_equal_the_unpadded_path(name):
 
 def test_dummy_rows_write_only_the_scratch_page():
     """A padded step's keys and values land in the real rows' slots and the scratch page; no other page changes."""
-    engine = _engine("orpheus", "padded")
+    engine = tiny_engine("orpheus", cuda_graphs="padded")
     pool = engine.pool
     before = pool.cache.clone()
     seqs = [SeqSlice(0, 1, 5, [3]), SeqSlice(1, 1, 17, [7, 9]), SeqSlice(2, 1, 0, [4])]
@@ -75,7 +66,7 @@ def test_a_capture_that_fails_leaves_the_steps_eager_with_the_same_audio(caplog)
     buffers: a GPU path CI cannot run must not take a server down."""
     from voxbackend.cuda_graphs import GraphReplayer
 
-    captured, plain = _engine("orpheus", "padded"), _engine("orpheus", "off")
+    captured, plain = tiny_engine("orpheus", cuda_graphs="padded"), tiny_engine("orpheus", cuda_graphs="off")
     captured.runner.graphs.replayer = GraphReplayer("the decode step", "cpu")
     captured.model.codec.replayer = GraphReplayer("the SNAC decoder", "cpu")
     request = [(captured.model.prepare("Hello there.", None), SamplingParams(temperature=0.8, max_tokens=40, seed=3))]

@@ -8,13 +8,11 @@ import pytest
 
 import voxbackend
 from voxbackend import SamplingParams
-from voxbackend.models.registry import KINDS
 from voxbackend.testing.host_syncs import HostSyncs
-from voxbackend.triton.loading import import_object
+from tests.util_engine_drive import SERVED, tiny_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
-SERVED = [name for name, kind in KINDS.items() if kind.served]
 # every model: the audio of all the step's windows in one copy (ints.to_host); and besides
 CODEC_STEP = {
     "orpheus": 1, "csm": 1,
@@ -45,8 +43,7 @@ def _line_of(comment: str) -> int:
 @pytest.mark.parametrize("name", SERVED)
 @pytest.mark.parametrize("cuda_graphs", ["off", "padded"])  # padded: the static-buffer decode path graphs replay
 def test_an_lm_step_waits_for_the_device_once_and_a_codec_step_as_stated(name, cuda_graphs):
-    model_dir, codec_dir = import_object(KINDS[name].tiny_checkpoint)()
-    engine = voxbackend.load(model_dir, codec_dir, model=name, cuda_graphs=cuda_graphs)
+    engine = tiny_engine(name, cuda_graphs=cuda_graphs)
     for i in range(3):
         engine.submit(engine.model.prepare(f"Hello there, number {i}.", None),
                       SamplingParams(temperature=0.8, max_tokens=80, seed=i), lambda event: None)

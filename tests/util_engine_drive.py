@@ -1,8 +1,21 @@
-"""Driving an engine on the test's own thread (engine.step(), no engine thread): requests arrive one every few steps,
-so tests can check that a request's tokens and audio do not depend on what else is in the batch."""
+"""Engines of the served models on their tiny checkpoints, driven on the test's own thread (engine.step(), no engine
+thread): requests arrive one every few steps, so tests can check that a request's tokens and audio do not depend on
+what else is in the batch."""
 from __future__ import annotations
 
 import numpy as np
+
+import voxbackend
+from voxbackend.models.registry import KINDS
+from voxbackend.triton.loading import import_object
+
+SERVED = [name for name, kind in KINDS.items() if kind.served]  # the models the Triton repository serves
+
+
+def tiny_engine(name: str, **options):
+    """An engine of the served model `name` on its cached tiny default checkpoint, with engine `options`."""
+    model_dir, codec_dir = import_object(KINDS[name].tiny_checkpoint)()
+    return voxbackend.load(model_dir, codec_dir, model=name, **options)
 
 
 def run_staggered(engine, prompts, sampling, every: int = 3) -> list[list[int]]:
