@@ -1,7 +1,7 @@
-"""One step's paged-KV layout in FlashInfer's CSR form, built on the host with numpy (no per-element Python and no
-list -> tensor parsing): the FlashInfer backend hands these arrays to its wrappers' plan(), and the CPU tests check
-them against the torch backend's view of the same batch (tests/test_paged_plan.py), so only the kernel call is
-CUDA-only."""
+"""One step's paged-KV layout in FlashInfer's CSR form, built on the host (numpy for the CSR arrays; the slots by one
+comprehension, which both backends share): the FlashInfer backend hands these arrays to its wrappers' plan(), and
+the CPU tests check them against the torch backend's view of the same batch (tests/test_paged_plan.py), so only the
+kernel call is CUDA-only."""
 from __future__ import annotations
 
 import itertools
