@@ -52,6 +52,28 @@ def test_replicas_place_every_engine_hosting_model_and_stay_out_of_the_parameter
         configs.render_all({"instances": "0"}, models=["orpheus"])
 
 
+def test_a_codec_stage_is_its_own_model_on_its_own_gpus_and_every_engine_names_it(tmp_path: Path):
+    assert not any(name.endswith("_codec") for name in configs.render_all())  # colocated by default
+    settings = {"gpus": "0", "codec_instances": "2", "codec_gpus": "1", "cosyvoice2.dtype": "bfloat16"}
+    staged = configs.render_all(settings, models=["cosyvoice2", "qwen3_tts"])
+    for model in ("cosyvoice2", "qwen3_tts"):
+        stage = staged[f"{model}_codec"]
+        assert "instance_group [ { count: 2 kind: KIND_GPU gpus: [ 1 ] } ]" in stage
+        assert "input [" not in stage and "output [" not in stage and "decoupled" not in stage
+        assert f'key: "model_kind" value: {{ string_value: "{model}" }}' in stage
+        assert 'key: "codec_instances"' not in stage and 'key: "kv_pages"' not in stage
+        for host in (model, f"{model}_engine"):
+            assert f'key: "codec_model" value: {{ string_value: "{model}_codec" }}' in staged[host], host
+            assert "kind: KIND_GPU gpus: [ 0 ]" in staged[host]
+        assert 'key: "codec_model"' not in staged[f"{model}_preprocess"]
+    assert 'string_value: "bfloat16"' in staged["cosyvoice2_codec"] and "bfloat16" not in staged["qwen3_tts_codec"]
+    assert 'key: "codec_model"' in staged["qwen3_tts_text_stream"]
+    repo = configs.write_repository(tmp_path / "repo", {"codec_instances": "1"}, models=["orpheus"])
+    assert "import CodecModel as TritonPythonModel" in (repo / "orpheus_codec" / "1" / "model.py").read_text()
+    with pytest.raises(ValueError, match="codec_instances must be 0"):
+        configs.render_all({"codec_instances": "-1"}, models=["orpheus"])
+
+
 def test_unknown_override_is_rejected():
     with pytest.raises(ValueError, match="unknown engine parameter"):
         configs.render_all({"kv_pagez": "1"})

@@ -66,6 +66,7 @@ class CodecState:
     windows_done: int = 0
     state: Any = None
     ready_windows: int = 0  # windows decodable now but not decoded yet (the engine sets it every step)
+    in_flight: bool = False  # windows are out at a codec stage (engine/remote_codec.py); state comes back with them
 
 
 @dataclass(slots=True)

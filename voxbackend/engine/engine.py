@@ -25,6 +25,7 @@ from voxbackend.engine.kv_pool import KVPool
 from voxbackend.engine.model_runner import ModelRunner
 from voxbackend.engine.output import Output
 from voxbackend.engine.policies import make_policy
+from voxbackend.engine.remote_codec import CodecClient, RemoteCodec
 from voxbackend.engine.validation import RequestValidator
 from voxbackend.errors import EngineDead, InvalidRequest
 from voxbackend.events import Event, EventKind
@@ -62,6 +63,7 @@ class Engine:
         self.inbox = Inbox(self.waiting, config.max_queue)
         self.output = Output(model, config, clock, self.runner, self.admission, self.detokenizer, self.inbox,
                              self.running)
+        self.remote_codec: RemoteCodec | None = None  # use_codec_stage: windows decode in another process
         self._thread: threading.Thread | None = None
         self._stop = False
         self._ids = itertools.count()
@@ -119,6 +121,14 @@ class Engine:
         with an ERROR event."""
         ids = self.model.check_track_ids(ids)  # refused here for a model without text streaming
         self.inbox.append_text(request_id, ids, final)
+
+    def use_codec_stage(self, client: CodecClient) -> None:
+        """Decode codec windows through `client` (a codec stage in another process) instead of in this one;
+        before start(). The LM steps while windows are out."""
+        if self.detokenizer is None:
+            raise ValueError(f"{self.model.spec.name} has no codec")
+        self.remote_codec = RemoteCodec(self.detokenizer, client, self.inbox.wake)
+        self.codec_stream = None
 
     def stats(self) -> EngineStats:
         queued = self.inbox.queued()
@@ -204,6 +214,12 @@ class Engine:
         if not self.alive:
             return False
         self._drain_inbox()
+        lm: list[tuple[Request, int]] = []
+        if self.remote_codec is not None:
+            try:
+                self._collect_remote()
+            except Exception as exc:  # noqa: BLE001 - as a failed step below
+                return self._step_failed(exc, lm)
         now = self.clock()
         if self.detokenizer is not None:
             for r in self.running:
@@ -212,7 +228,12 @@ class Engine:
         lm = self.scheduler.schedule_lm(self.running, now)
         try:
             lm = self.admission.grow(lm, now)
-            if self.codec_stream is not None:
+            if self.remote_codec is not None:  # windows out first: the stage decodes them while the LM steps
+                detok = self._schedule_detok(now)
+                self.remote_codec.send(detok, now)
+                if lm:
+                    self._run_lm(lm)
+            elif self.codec_stream is not None:
                 detok = self._overlapped(lm, now)
             else:
                 if lm:
@@ -222,15 +243,26 @@ class Engine:
                     self._run_detok(detok)
             self._failures = 0
         except Exception as exc:  # noqa: BLE001 - a step failure must not kill other requests' streams
-            log.exception("engine step failed")
-            self._failures += 1
-            involved = {r.id for r, _ in lm} | {r.id for r in self.running if r.lm_done}
-            for r in [r for r in self.running if r.id in involved]:
-                self.output.finish(r, error=f"engine step failed: {exc}")
-            if self._failures >= MAX_CONSECUTIVE_FAILURES:
-                self._die(f"{MAX_CONSECUTIVE_FAILURES} engine steps failed in a row; last: {exc}")
-            return True
+            return self._step_failed(exc, lm)
         return bool(lm or detok or self.waiting or any(r.lm.preempted for r in self.running))
+
+    def _step_failed(self, exc: Exception, lm: list[tuple[Request, int]]) -> bool:
+        log.exception("engine step failed")
+        self._failures += 1
+        involved = {r.id for r, _ in lm} | {r.id for r in self.running if r.lm_done}
+        for r in [r for r in self.running if r.id in involved]:
+            self.output.finish(r, error=f"engine step failed: {exc}")
+        if self._failures >= MAX_CONSECUTIVE_FAILURES:
+            self._die(f"{MAX_CONSECUTIVE_FAILURES} engine steps failed in a row; last: {exc}")
+        return True
+
+    @torch.inference_mode()
+    def _collect_remote(self) -> None:
+        """The codec stage's replies since the last step: audio out; a request whose windows failed ends."""
+        decoded, failed = self.remote_codec.collect(self.running)
+        for r, error in failed:
+            self.output.finish(r, error=error)
+        self.output.audio(decoded)
 
     def _drain_inbox(self) -> None:
         cancels, appends = self.inbox.drain()

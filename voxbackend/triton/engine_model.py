@@ -10,6 +10,7 @@ import json
 import time
 import uuid
 
+from voxbackend.codec_stage.local_socket import SocketCodecClient, socket_dir
 from voxbackend.errors import EngineDead, EngineOverloaded, InvalidRequest
 from voxbackend.triton import fields
 from voxbackend.triton.cancel_channel import CancelListener
@@ -42,6 +43,10 @@ class EngineModel:
         settings = instance_settings(
             params, args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0) or 0))
         self.engine = load_engine(settings)
+        self.codec_stage = None
+        if params.get("codec_model"):  # the codec runs as its own model (codec_model.py)
+            self.codec_stage = SocketCodecClient(socket_dir(params["codec_model"]), self.engine.config.device)
+            self.engine.use_codec_stage(self.codec_stage)
         self.model = self.engine.model
         self.sample_rate = int(self.model.spec.sample_rate)
         self.metrics = TritonMetrics(pb_utils, args["model_name"], args.get("model_instance_name", "0"))
@@ -53,7 +58,7 @@ class EngineModel:
         self.drain = DrainWatch(lambda: self.loop.request_drain(grace_s))
         pb_utils.Logger.log_info(
             f"{args['model_name']}: engine up ({self.model.spec.name}, {settings.checkpoint}, "
-            f"{settings.engine_options})")
+            f"{settings.engine_options}{', codec: ' + params['codec_model'] if self.codec_stage else ''})")
 
     def execute(self, requests) -> None:
         for request in requests:
@@ -100,10 +105,14 @@ class EngineModel:
         come much later (or never, for a model Triton keeps alive for a leaked request)."""
         self.loop.request_shutdown()
         self.engine.shutdown()
+        if self.codec_stage is not None:
+            self.codec_stage.close()
 
     def finalize(self) -> None:
         self.drain.close()
         self.cancels.close()
         self.loop.stop("the model is being unloaded")
         self.engine.shutdown()
+        if self.codec_stage is not None:
+            self.codec_stage.close()  # the codec stage's unload waits for this
         skip_interpreter_teardown()

@@ -15,9 +15,10 @@ from typing import Any, Callable
 
 from voxbackend.config import EngineConfig
 
-# Parameters the glue itself consumes; every other non-empty one is an engine option.
-GLUE_PARAMS = ("checkpoint", "codec", "default_checkpoint", "engine_loader", "frontend_loader", "model_kind",
-               "drain_grace_s", "engine_model", "preprocess_model")  # the last two: a front model's, for the API
+# Parameters the glue itself consumes; every other non-empty one is an engine option. engine_model and
+# preprocess_model are a front model's, for the API; codec_model names the codec stage the engine sends windows to.
+GLUE_PARAMS = ("checkpoint", "codec", "codec_model", "default_checkpoint", "engine_loader", "frontend_loader",
+               "model_kind", "drain_grace_s", "engine_model", "preprocess_model")
 DEFAULT_DRAIN_GRACE_S = 15.0  # + a text sequence's idle timeout (10 s) + unloading < --exit-timeout-secs (30)
 
 
