@@ -229,7 +229,7 @@ class Engine:
         try:
             lm = self.admission.grow(lm, now)
             if self.remote_codec is not None:  # windows out first: the stage decodes them while the LM steps
-                detok = self._schedule_detok(now)
+                detok = self._ready_windows()
                 self.remote_codec.send(detok, now)
                 if lm:
                     self._run_lm(lm)
@@ -305,6 +305,12 @@ class Engine:
         if launched is not None:
             self.output.lm_steps(launched.collect())
         return detok
+
+    def _ready_windows(self) -> list[tuple[Request, int]]:
+        """With a codec stage, every ready window goes out at once: its decoding costs the LM nothing here, and the
+        stage batches and orders the windows of all its engines by urgency itself (codec_stage/urgent_queue.py)."""
+        stateful = self.model.spec.window.stateful  # one window per request at a time, in order
+        return [(r, 1 if stateful else n) for r in self.running if (n := self.detokenizer.ready(r)) > 0]
 
     def _schedule_detok(self, now: float) -> list[tuple[Request, int]]:
         if self.detokenizer is None:
