@@ -131,6 +131,8 @@ PLANS: list[tuple[str, Plan]] = [
     (r"^kubectl apply ", Plan(SKIP, "a Kubernetes cluster")),
     (r"^kubectl kustomize ", Plan(RUN, budget_s=60, needs="kubectl")),
     (r"--set gpus=", Plan(SKIP, "GPUs, which the test machine lacks")),
+    (r"^voxbackend serve .*--set codec_instances=", Plan(SKIP, "tests/test_triton_codec_stage.py serves two orpheus "
+                                                               "engines sharing one codec stage")),
     (r"^voxbackend serve .*--set instances=", Plan(SKIP, "tests/test_triton_text_stream.py serves two instances of "
                                                          "each engine-hosting model")),
     (r"^voxbackend serve .*--checkpoint", Plan(SERVICE, budget_s=180)),  # a checkpoint an earlier command built

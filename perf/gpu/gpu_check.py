@@ -8,7 +8,8 @@ tokens on GPU (torch backend, float32) vs CPU; greedy tokens with the decode ste
 Timings: Orpheus-3B-size random weights (bf16): single-stream time to first audio; LM decode step time against
 batch size, eager and replayed as a CUDA graph, next to the memory-bandwidth floor; a burst of streams with the
 codec on its own stream beside the LM and without; a goodput sweep through tritonserver (p90 TTFA <= 250 ms,
->= 99% stall-free) where a tritonserver is installed.
+>= 99% stall-free) where a tritonserver is installed, colocated and with the codec as its own model (on a second
+GPU when there is one).
 The dry run checks FlashInfer's plan (attention/paged_plan.py) instead of calling its kernel, compares CPU with
 CPU, runs the padded decode path eagerly where a GPU captures it, and times tiny models: its numbers mean
 nothing, its running does.
@@ -248,21 +249,29 @@ def _burst(engine: Engine, n: int, tokens: int) -> tuple[float, float, list[floa
     return time.perf_counter() - t0, samples[0] / rate, list(first.values())
 
 
+def stage_settings(device: str) -> list[str]:
+    """The disaggregated configuration: the codec as its own model (one instance). With two GPUs the engine runs on
+    the first and the codec stage on the second (device=auto: each instance on the GPU Triton places it on); with
+    one, the stage is its own process beside the engine on the same GPU."""
+    settings = ["--set", "codec_instances=1"]
+    if device.startswith("cuda") and torch.cuda.device_count() >= 2:
+        settings += ["--set", "device=auto", "--set", "gpus=0", "--set", "codec_gpus=1"]
+    return settings
+
+
 def goodput_sweep(lines: list[str], root: Path, device: str, sizes: dict, rates: list[float], duration: float) -> None:
     """Open-loop Poisson rates through tritonserver (voxbackend serve, the orpheus model at these sizes, random
-    weights written as a checkpoint: about 13 GB in float32 at the 3B size, served in bfloat16); goodput = the
-    highest rate with p90 TTFA <= 250 ms and >= 99% of streams stall-free. A machine without tritonserver (the
-    nvidia-pytriton wheel or /opt/tritonserver) skips it, saying so."""
-    from voxbackend import cli
-    from voxbackend.deploy.server import find_tritonserver, free_port
-
+    weights written as a checkpoint: about 13 GB in float32 at the 3B size, served in bfloat16), colocated (each
+    engine decodes its own windows) and with the codec as its own model (stage_settings); goodput = the highest rate
+    with p90 TTFA <= 250 ms and >= 99% of streams stall-free. A machine without tritonserver (the nvidia-pytriton
+    wheel or /opt/tritonserver) skips it, saying so."""
     root_dir = Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root_dir))
     try:
+        from voxbackend.deploy.server import find_tritonserver
+
         find_tritonserver()
-        from clients.loadgen import RequestOptions, load_prompts  # tritonclient
-        from clients.stream_metrics import goodput, markdown_table
-        from perf.goodput import Target, sweep
+        from clients.loadgen import load_prompts  # tritonclient
     except Exception as e:  # noqa: BLE001 - the machine has no server or client: say so, the other steps stand
         lines.append(f"\ngoodput sweep through tritonserver: not run ({type(e).__name__}: {e})")
         return
@@ -270,26 +279,42 @@ def goodput_sweep(lines: list[str], root: Path, device: str, sizes: dict, rates:
     ckpt = write_tiny_orpheus(root / "served-orpheus", **{k: v for k, v in sizes.items() if k != "head_dim"})
     codec = write_tiny_snac(root / "served-snac", decoder_dim=1024 if device.startswith("cuda") else 64)
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    prompts = load_prompts(str(root_dir / "perf/data/prompts.txt"))
+    for side, settings in (("colocated", []), ("codec stage", stage_settings(device))):
+        serve = ["serve", "--models", "orpheus", "--checkpoint", str(ckpt), "--codec", str(codec), "--set",
+                 f"device={device}", "--set", f"dtype={dtype}", *settings]
+        label = f"{side}: `{' '.join(settings)}`" if settings else side
+        if not _served_sweep(lines, label, serve, prompts, rates, duration, dtype):
+            return
+
+
+def _served_sweep(lines: list[str], side: str, serve: list[str], prompts: list[str], rates: list[float],
+                  duration: float, dtype: str) -> bool:
+    """One configuration's sweep (`voxbackend serve` arguments); False when it failed."""
+    from clients.loadgen import RequestOptions
+    from clients.stream_metrics import goodput, markdown_table
+    from perf.goodput import Target, sweep
+    from voxbackend import cli
+    from voxbackend.deploy.server import free_port
+
     ports = [str(free_port()) for _ in range(3)]
-    args = cli.parser().parse_args(["serve", "--models", "orpheus", "--checkpoint", str(ckpt), "--codec", str(codec),
-                                    "--set", f"device={device}", "--set", f"dtype={dtype}", "--http-port", ports[0],
-                                    "--grpc-port", ports[1], "--metrics-port", ports[2]])
-    server = cli.make_server(args)
+    server = cli.make_server(cli.parser().parse_args(
+        [*serve, "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]]))
     try:
         server.start(timeout=600)
-        results, _ = sweep([Target("orpheus", server.grpc_url, "orpheus")], rates,
-                           load_prompts(str(root_dir / "perf/data/prompts.txt")), duration, seed=0, burstiness=1.0,
-                           opts=RequestOptions(max_tokens=280, sampling_seed=0), ttfa_p90=0.25, stall_free=0.99,
-                           stop_after_failures=2, request_timeout=120.0, log=lambda *a: None)
+        results, _ = sweep([Target("orpheus", server.grpc_url, "orpheus")], rates, prompts, duration, seed=0,
+                           burstiness=1.0, opts=RequestOptions(max_tokens=280, sampling_seed=0), ttfa_p90=0.25,
+                           stall_free=0.99, stop_after_failures=2, request_timeout=120.0, log=lambda *a: None)
     except Exception as e:  # noqa: BLE001 - the last step: keep what the others measured
-        lines.append(f"\ngoodput sweep through tritonserver: failed ({type(e).__name__}: {str(e)[-1500:]})")
-        return
+        lines.append(f"\ngoodput sweep through tritonserver ({side}): failed ({type(e).__name__}: {str(e)[-1500:]})")
+        return False
     finally:
         server.close()
     best = goodput(results["orpheus"], 0.25, 0.99)
-    lines += ["", f"goodput through tritonserver (orpheus, {dtype}, p90 TTFA <= 250 ms, >= 99% stall-free, Poisson, "
-              f"{duration:.0f} s per rate): {best if best is not None else 'none of the rates'} req/s", "",
-              markdown_table(results["orpheus"])]
+    lines += ["", f"goodput through tritonserver (orpheus, {side}, {dtype}, p90 TTFA <= "
+              f"250 ms, >= 99% stall-free, Poisson, {duration:.0f} s per rate): "
+              f"{best if best is not None else 'none of the rates'} req/s", "", markdown_table(results["orpheus"])]
+    return True
 
 
 def main() -> None:
