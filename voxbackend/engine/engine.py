@@ -310,7 +310,7 @@ class Engine:
         """With a codec stage, every ready window goes out at once: its decoding costs the LM nothing here, and the
         stage batches and orders the windows of all its engines by urgency itself (codec_stage/urgent_queue.py)."""
         stateful = self.model.spec.window.stateful  # one window per request at a time, in order
-        return [(r, 1 if stateful else n) for r in self.running if (n := self.detokenizer.ready(r)) > 0]
+        return [(r, 1 if stateful else r.codec.ready_windows) for r in self.running if r.codec.ready_windows > 0]
 
     def _schedule_detok(self, now: float) -> list[tuple[Request, int]]:
         if self.detokenizer is None:
