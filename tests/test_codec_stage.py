@@ -41,7 +41,7 @@ def play(engine, prompt, sampling) -> tuple[np.ndarray, str | None]:
 
 # stateless; flow caches and a generator, windows the state schedules; Mimi's streaming state (a frame per step)
 @pytest.mark.parametrize("name,max_tokens", [("orpheus", 70), ("cosyvoice2", 50), ("csm", 16)])
-def test_two_engines_sharing_one_stage_play_the_colocated_audio(name, max_tokens, tmp_path):
+def test_two_engines_sharing_a_two_instance_stage_play_the_colocated_audio(name, max_tokens, tmp_path):
     colocated = tiny_engine(name).start()
     voice = colocated.model.voices[0] if colocated.model.voices else None
     prompts = [colocated.model.prepare(text, voice) for text in TEXTS]
@@ -49,8 +49,9 @@ def test_two_engines_sharing_one_stage_play_the_colocated_audio(name, max_tokens
     want = [play(colocated, p, s)[0] for p, s in zip(prompts, sampling)]
     colocated.shutdown()
 
-    stage = UrgentWindows(colocated.model, max_windows=16).start()  # stopped: its model serves the stage
-    server = CodecServer(tmp_path / "stage" / "0.sock", stage).start()
+    # two stage instances, each with its own model: a request's windows go to either, its state with them
+    stages = [UrgentWindows(model, max_windows=16).start() for model in (colocated.model, tiny_engine(name).model)]
+    servers = [CodecServer(tmp_path / "stage" / f"{k}.sock", stage).start() for k, stage in enumerate(stages)]
     engines = [tiny_engine(name) for _ in range(2)]
     clients = [SocketCodecClient(tmp_path / "stage") for _ in engines]
     for engine, client in zip(engines, clients):
@@ -68,13 +69,14 @@ def test_two_engines_sharing_one_stage_play_the_colocated_audio(name, max_tokens
         for engine, client in zip(engines, clients):
             engine.shutdown()
             client.close()
-        server.close()
-        stage.stop()
+        for server, stage in zip(servers, stages):
+            server.close()
+            stage.stop()
     for i, (audio, error) in enumerate(got):
         assert error is None, error
         assert audio.shape == want[i].shape, (i, audio.shape, want[i].shape)
         np.testing.assert_allclose(audio, want[i], atol=2e-4, err_msg=f"{name} stream {i}")
-    assert stage.stats.windows > 0 and server.engines == 0
+    assert all(stage.stats.windows > 0 for stage in stages) and not any(server.engines for server in servers)
     for engine in engines:
         assert engine.pool.used_pages == 0 and not engine.running and not engine.remote_codec.out
 

@@ -5,10 +5,7 @@ the streams that were playing finish with their whole audio (the codec stage sta
 from __future__ import annotations
 
 import dataclasses
-import signal
 import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +16,10 @@ sys.path.insert(0, str(ROOT))
 
 import tritonclient.grpc as tritonclient  # noqa: E402
 
-from tests.triton_util import assert_matches, metric, run_concurrently  # noqa: E402
+from tests.triton_util import assert_matches, metric, run_concurrently, sigterm_while_streaming  # noqa: E402
 from voxbackend.deploy import configs  # noqa: E402
 from voxbackend.deploy.server import TritonServer  # noqa: E402
-from voxbackend.stream_client import StreamOutcome, make_inputs, stream_request  # noqa: E402
+from voxbackend.stream_client import make_inputs, stream_request  # noqa: E402
 
 SETTINGS = {"instances": "2", "codec_instances": "1"}
 MAX_TOKENS = 63
@@ -94,22 +91,13 @@ def test_a_client_calling_the_codec_stage_gets_an_error_naming_it(server):
 
 
 def test_sigterm_drains_streams_whose_windows_go_through_the_codec_stage(server, reference):
-    """Last: it stops the module's server."""
-    texts = TEXTS[:4]
-    outs: dict[int, StreamOutcome] = {}
-    threads = [threading.Thread(target=lambda i=i: outs.__setitem__(i, stream_request(
-        server.grpc_url, "orpheus", make_inputs(texts[i], None, "fp32", MAX_TOKENS=280, MIN_TOKENS=280,
-                                                SEED=300 + i, TOP_K=TOP_K), "fp32", timeout=120)), daemon=True)
+    """Last: it stops the module's server. SIGTERM once every stream has its first audio."""
+    texts = TEXTS[:3]
+    jobs = [lambda i=i: stream_request(server.grpc_url, "orpheus", make_inputs(
+        texts[i], None, "fp32", MAX_TOKENS=140, MIN_TOKENS=140, SEED=300 + i, TOP_K=TOP_K), "fp32", timeout=120)
         for i in range(len(texts))]
-    for t in threads:
-        t.start()
-    t0 = time.monotonic()
-    while not all(len(o.chunks) if (o := outs.get(i)) else 0 for i in range(len(texts))) and time.monotonic() - t0 < 10:
-        time.sleep(0.05)
-    server.proc.send_signal(signal.SIGTERM)
-    code = server.proc.wait(60)
-    for t in threads:
-        t.join(30)
+    code, signalled, outs = sigterm_while_streaming(server, jobs)
     assert code == 0, server.log_tail()
-    for i in range(len(texts)):
-        assert_matches(outs[i], reference(texts[i], 300 + i, 280), "fp32", f"drained stream {i}")
+    for i, out in enumerate(outs):
+        assert_matches(out, reference(texts[i], 300 + i, 140), "fp32", f"drained stream {i}")
+    assert all(out.end_time > signalled for out in outs)  # they were still playing: a drain, not an end

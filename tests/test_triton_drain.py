@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from voxbackend.stream_client import StreamOutcome, make_inputs, stream_request, stream_text_pieces  # noqa: E402
-from tests.triton_util import committed_models, start_serve  # noqa: E402
+from tests.triton_util import committed_models, sigterm_while_streaming, start_serve  # noqa: E402
 from voxbackend.deploy import configs  # noqa: E402
 from voxbackend.triton.drain import http_port_open, server_http_address  # noqa: E402
 from voxbackend.testing.fake_engine import TOKENS_PER_CHUNK, FakeStreamingModel  # noqa: E402
@@ -165,23 +165,13 @@ def test_sigterm_drains_the_real_tiny_orpheus(tmp_path):
                                      TEMPERATURE=0.0)
         reference = stream_request(srv.grpc_url, "orpheus", inputs(), timeout=120)
         assert reference.error is None and reference.chunks, reference.error
-        outs: dict[int, StreamOutcome] = {}
-        threads = [threading.Thread(target=lambda i=i: outs.__setitem__(i, stream_request(
-            srv.grpc_url, "orpheus", inputs(), timeout=120)), daemon=True) for i in range(3)]
-        for t in threads:
-            t.start()
-        t0 = time.monotonic()
-        while not all(len(o.chunks) if (o := outs.get(i)) else 0 for i in range(3)) and time.monotonic() - t0 < 5:
-            time.sleep(0.05)
-        srv.proc.send_signal(signal.SIGTERM)
-        code = srv.proc.wait(60)
-        for t in threads:
-            t.join(30)
+        jobs = [lambda: stream_request(srv.grpc_url, "orpheus", inputs(), timeout=120) for _ in range(3)]
+        code, signalled, outs = sigterm_while_streaming(srv, jobs)  # once each stream has its first audio
         assert code == 0, srv.log_tail()
-        for i, out in sorted(outs.items()):
+        for i, out in enumerate(outs):
             assert out.error is None and out.finish_reason == reference.finish_reason, (i, out.error)
             assert out.audio.size == reference.audio.size, (i, out.audio.size, reference.audio.size)
-        assert len(outs) == 3
+            assert out.end_time > signalled, i  # still playing at the signal: a drain, not an end
     finally:
         srv.close()
 

@@ -134,7 +134,8 @@ class _Link:
 
 class SocketCodecClient:
     """An engine's links to every instance of one codec stage (engine/remote_codec.py's CodecClient). Each group
-    goes to the instance with the fewest windows outstanding; a link that breaks fails its own groups only."""
+    goes to the instance with the fewest windows outstanding, ties taken in turn (so an idle stage's instances share
+    the work too); a link that breaks fails its own groups only."""
 
     RESCAN_S = 1.0
 
@@ -145,6 +146,7 @@ class SocketCodecClient:
         self._links: dict[Path, _Link] = {}
         self._lock = threading.Lock()
         self._scanned_at = float("-inf")
+        self._turn = itertools.count()
         self._closed = False
 
     def decode(self, jobs: list, slack_s: float) -> Future:
@@ -180,7 +182,11 @@ class SocketCodecClient:
                 for path in sorted(self.folder.glob("*.sock")) if self.folder.is_dir() else []:
                     if path not in self._links:
                         self._connect(path)
-            return min(self._links.values(), key=lambda link: link.windows, default=None)
+            links = list(self._links.values())
+            if not links:
+                return None
+            first = next(self._turn) % len(links)
+            return min(links[first:] + links[:first], key=lambda link: link.windows)
 
     def _connect(self, path: Path) -> None:
         try:
