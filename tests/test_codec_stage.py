@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.util_engine_drive import tiny_engine
+from tests.util_engine_drive import SERVED, tiny_engine
+from voxbackend.models.registry import KINDS, load_model
+from voxbackend.triton.loading import import_object
 from voxbackend.codec_stage.local_socket import CodecServer, CodecStageError, SocketCodecClient
 from voxbackend.codec_stage.urgent_queue import UrgentWindows
 from voxbackend.codec_stage.wire import pack, unpack
@@ -23,7 +25,8 @@ from voxbackend.events import EventKind
 from voxbackend.models.base import WindowJob
 from voxbackend.sampling_params import SamplingParams
 
-TEXTS = ["hello there world", "a second voice speaks now", "and a third one"]
+TEXTS = ["hello there world", "a second voice speaks now"]  # one on each engine
+PARITY = [("orpheus", 49), ("cosyvoice2", 50), ("csm", 16)]
 
 
 def play(engine, prompt, sampling) -> tuple[np.ndarray, str | None]:
@@ -40,7 +43,7 @@ def play(engine, prompt, sampling) -> tuple[np.ndarray, str | None]:
 
 
 # stateless; flow caches and a generator, windows the state schedules; Mimi's streaming state (a frame per step)
-@pytest.mark.parametrize("name,max_tokens", [("orpheus", 70), ("cosyvoice2", 50), ("csm", 16)])
+@pytest.mark.parametrize("name,max_tokens", PARITY)
 def test_two_engines_sharing_a_two_instance_stage_play_the_colocated_audio(name, max_tokens, tmp_path):
     colocated = tiny_engine(name).start()
     voice = colocated.model.voices[0] if colocated.model.voices else None
@@ -49,8 +52,9 @@ def test_two_engines_sharing_a_two_instance_stage_play_the_colocated_audio(name,
     want = [play(colocated, p, s)[0] for p, s in zip(prompts, sampling)]
     colocated.shutdown()
 
-    # two stage instances, each with its own model: a request's windows go to either, its state with them
-    stages = [UrgentWindows(model, max_windows=16).start() for model in (colocated.model, tiny_engine(name).model)]
+    # two stage instances, each with its own model (the second as the Triton stage loads it, without the LM): a
+    # request's windows go to either, its state with them
+    stages = [UrgentWindows(model, max_windows=16).start() for model in (colocated.model, codec_only(name))]
     servers = [CodecServer(tmp_path / "stage" / f"{k}.sock", stage).start() for k, stage in enumerate(stages)]
     engines = [tiny_engine(name) for _ in range(2)]
     clients = [SocketCodecClient(tmp_path / "stage") for _ in engines]
@@ -79,6 +83,56 @@ def test_two_engines_sharing_a_two_instance_stage_play_the_colocated_audio(name,
     assert all(stage.stats.windows > 0 for stage in stages) and not any(server.engines for server in servers)
     for engine in engines:
         assert engine.pool.used_pages == 0 and not engine.running and not engine.remote_codec.out
+
+
+def codec_only(name: str):
+    model_dir, codec_dir = import_object(KINDS[name].tiny_checkpoint)()
+    return load_model(model_dir, codec_dir, "cpu", torch.float32, kind=name, lm=False)
+
+
+def tensor_bytes(obj, seen=None) -> int:
+    """Bytes of every tensor reachable through obj's attributes (modules, lists, dicts, plain objects)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, (str, bytes, int, float, type)) or obj is None:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, torch.nn.Module):
+        return sum(tensor_bytes(t, seen) for t in [*obj.parameters(), *obj.buffers()]) + tensor_bytes(vars(obj), seen)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v, seen) for v in obj)
+    return tensor_bytes(vars(obj), seen) if hasattr(obj, "__dict__") else 0
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_the_stage_loads_the_codec_without_the_lm_and_decodes_the_same_windows(name):
+    """What `<model>_codec` loads (load_model(lm=False)) holds no LM weights and decodes a stream's windows, as
+    they went over the wire, into the full model's audio (the models of the test above decode there)."""
+    engine = tiny_engine(name)
+    stage = codec_only(name)
+    full, codec, held = tensor_bytes(engine.model), tensor_bytes(stage.codec), tensor_bytes(stage)
+    assert held - codec < 2**20 and full - held > 2**19, (full, codec, held)  # the codec (and small tables) only
+    assert stage.spec == engine.model.spec
+    if name in dict(PARITY):
+        return
+    sent: list = []
+    decode = engine.model.detokenize
+
+    def recording(jobs):
+        sent.append(pack(jobs))  # as the stage would get them, before this decode moves their states on
+        return decode(jobs)
+
+    engine.model.detokenize = recording
+    voice = engine.model.voices[0] if engine.model.voices else None
+    audio, error = play(engine.start(), engine.model.prepare("hello there world", voice),
+                        SamplingParams(seed=5, max_tokens=40))
+    engine.shutdown()
+    assert error is None and sent
+    replayed = np.concatenate([a for data in sent for a in stage.detokenize(unpack(data))])
+    np.testing.assert_allclose(replayed, audio, atol=1e-5)
 
 
 class CountingModel:

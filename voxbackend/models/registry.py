@@ -129,9 +129,13 @@ def load_frontend(model_dir: str | Path, codec_dir: str | Path | None = None) ->
 
 
 def load_model(
-    model_dir: str | Path, codec_dir: str | Path | None, device: str, dtype: "torch.dtype", kind: str | None = None
+    model_dir: str | Path, codec_dir: str | Path | None, device: str, dtype: "torch.dtype", kind: str | None = None,
+    lm: bool = True,
 ) -> SpeechModel:
-    """`kind` forces a registry entry; by default config.json decides."""
+    """`kind` forces a registry entry; by default config.json decides. `lm=False`: the codec and what its windows
+    need, without the LM's weights (a codec stage's copy, whose only job is detokenize)."""
     model_dir = Path(model_dir)
     entry = get_kind(kind) if kind is not None else detect_kind(model_dir)
+    if not lm:
+        return entry.model(model_dir, entry.codec(model_dir, codec_dir), device, dtype, lm=False)
     return entry.model(model_dir, entry.codec(model_dir, codec_dir), device, dtype)

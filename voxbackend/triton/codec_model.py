@@ -34,7 +34,7 @@ class CodecModel:
                                 int(args.get("model_instance_device_id", 0) or 0))
         model_dir, codec_dir = resolve_checkpoint(params)
         model = load_model(model_dir, codec_dir, device, getattr(torch, params.get("dtype") or "float32"),
-                           kind=params["model_kind"])
+                           kind=params["model_kind"], lm=False)  # the codec and its rules, no LM weights
         self.grace_s = float(params.get("drain_grace_s") or DEFAULT_DRAIN_GRACE_S) + ENGINE_LINGER_S
         self._metrics(args.get("model_instance_name", "0"))
         self.windows = UrgentWindows(model, int(params.get("detok_batch") or 16), on_batch=self._observe).start()

@@ -268,11 +268,13 @@ class S3GenDecoding:
 
 class Chatterbox(S3GenDecoding, ChatterboxFrontend):
     def __init__(self, model_dir: str | Path, codec_dir: str | Path | None = None, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, lm: bool = True):
         super().__init__(model_dir, codec_dir)
         self.device = device
-        self.lm = T3LM.build(load_file(str(self.model_dir / WEIGHTS_FILE)), self.llama_config, device, dtype)
         self.codec = load_s3gen(self.model_dir, device, dtype)
+        if not lm:  # a codec stage's copy: detokenize only
+            return
+        self.lm = T3LM.build(load_file(str(self.model_dir / WEIGHTS_FILE)), self.llama_config, device, dtype)
         self._speech_ids = SPEECH_BASE + torch.arange(SPEECH_VOCAB, device=device)[None, :]
 
     # ---------------------------------------------------------------- LM

@@ -143,15 +143,17 @@ class ChatterboxTurbo(S3GenDecoding, ChatterboxTurboFrontend):
     tail_codes = (SILENCE,) * TAIL_SILENCE
 
     def __init__(self, model_dir: str | Path, codec_dir: str | Path | None = None, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, lm: bool = True):
         super().__init__(model_dir, codec_dir)
         self.device = device
+        self.codec = load_s3gen(self.model_dir, device, dtype, meanflow=True)
+        if not lm:  # a codec stage's copy: detokenize only
+            return
         self.lm = TurboLM.build(load_file(str(self.model_dir / WEIGHTS_FILE)), self.gpt2_config, device, dtype)
         text_rows, speech_rows = self.lm.text_emb.num_embeddings, self.lm.speech_emb.num_embeddings
         if text_rows < self.speech_base or speech_rows != SPEECH_VOCAB:
             raise ValueError(f"{WEIGHTS_FILE}: {text_rows} text and {speech_rows} speech embeddings; the tokenizer "
                              f"needs {self.speech_base} and Turbo {SPEECH_VOCAB}")
-        self.codec = load_s3gen(self.model_dir, device, dtype, meanflow=True)
         self._speech_ids = self.speech_base + torch.arange(SPEECH_VOCAB, device=device)[None, :]
 
     @torch.inference_mode()

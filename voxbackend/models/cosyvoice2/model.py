@@ -257,9 +257,12 @@ class CosyVoice2Frontend(SpeechModel):
 
 class CosyVoice2(CosyVoice2Frontend):
     def __init__(self, model_dir: str | Path, codec_dir: str | Path | None = None, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, lm: bool = True):
         super().__init__(model_dir, codec_dir)
         self.device = device
+        self.codec = load_token2wav(self.codec_dir, device, dtype)
+        if not lm:  # a codec stage's copy: detokenize only
+            return
         weights = load_state(self.model_dir, "llm")
         self.backbone = build_decoder(self.cfg, weights, device, dtype, prefix="llm.model.model.", head=False)
         speech = weights["speech_embedding.weight"]
@@ -271,7 +274,6 @@ class CosyVoice2(CosyVoice2Frontend):
         self.head_weight = weights["llm_decoder.weight"].to(device, dtype)
         self.head_bias = weights["llm_decoder.bias"].to(device, dtype)
         self._speech_ids = self.speech_base + torch.arange(SPEECH_ROWS, device=device)[None, :]
-        self.codec = load_token2wav(self.codec_dir, device, dtype)
 
     # ---------------------------------------------------------------- LM
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -234,8 +234,13 @@ class Csm(CsmFrontend):
         dtype: torch.dtype = torch.float32,
         first_window_frames: int = 2,
         window_frames: int = 10,
+        lm: bool = True,
     ):
         super().__init__(model_dir, codec_dir, device, first_window_frames, window_frames)
+        path, prefix = self.codec_source
+        self.codec = MimiDecoder.from_pretrained(path, device=device, dtype=dtype, prefix=prefix)
+        if not lm:  # a codec stage's copy: detokenize only
+            return
         w = load_safetensors(model_dir)
         self.backbone = build_decoder(self.cfg, w, device, dtype, prefix="backbone_model.", embed=False)
         depth_cfg = DecoderConfig.from_hf(read_config(model_dir)["depth_decoder_config"], family="llama")
@@ -255,8 +260,6 @@ class Csm(CsmFrontend):
         self.depth_heads = take("depth_decoder.codebooks_head.weight")  # [K - 1, depth hidden, V]
         self.offsets = torch.arange(self.num_codebooks, device=device) * self.vocab
         w.clear()  # the device copies are taken; drop the CPU tensors
-        path, prefix = self.codec_source
-        self.codec = MimiDecoder.from_pretrained(path, device=device, dtype=dtype, prefix=prefix)
         V = self.vocab
         self.depth_columns = DepthColumns(  # codebook k enters at position k + 1 through the shared table
             self.depth, self.num_codebooks, project=lambda x: x @ self.depth_proj.T,

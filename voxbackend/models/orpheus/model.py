@@ -115,13 +115,16 @@ class Orpheus(OrpheusFrontend):
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         constrain_audio: bool = True,
+        lm: bool = True,
     ):
         super().__init__(model_dir, codec_dir)
         self.device = device
-        self.backbone = build_decoder(self.cfg, load_safetensors(model_dir), device, dtype)
         self.codec = SnacDecoder.from_pretrained(codec_dir, device=device, dtype=dtype)
         if self.codec.sample_rate != self.spec.sample_rate:
             raise ValueError(f"codec sample rate {self.codec.sample_rate} != {self.spec.sample_rate}")
+        if not lm:  # a codec stage's copy: detokenize only
+            return
+        self.backbone = build_decoder(self.cfg, load_safetensors(model_dir), device, dtype)
         # Real Orpheus weights emit well-formed frames on their own; the mask only removes impossible tokens.
         self.constrain_audio = constrain_audio
         # lm_head rows of the stop token and of each codebook position, so constrained steps skip the rest

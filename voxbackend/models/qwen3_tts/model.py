@@ -23,13 +23,15 @@ from voxbackend.models.qwen3_tts.frontend import MIN_NEW_TOKENS, Qwen3TTSFronten
 
 class Qwen3TTS(Qwen3TTSFrontend):
     def __init__(self, model_dir: str | Path, codec_dir: str | Path | None = None, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, lm: bool = True):
         super().__init__(model_dir, codec_dir)
         self.device = device
-        self.talker = Qwen3TTSTalker(model_dir, device, dtype)
-        self.depth_columns = self.talker.depth_columns
         self.codec = Qwen3TTSCodec.from_pretrained(find_speech_tokenizer(Path(model_dir), codec_dir), device=device,
                                                    dtype=dtype)
+        if not lm:  # a codec stage's copy: detokenize only
+            return
+        self.talker = Qwen3TTSTalker(model_dir, device, dtype)
+        self.depth_columns = self.talker.depth_columns
         codes = self.talker.code_size
         self.candidates = torch.cat([torch.arange(codes), torch.tensor([self.eos])]).to(device)  # ascending
 
