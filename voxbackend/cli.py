@@ -216,7 +216,8 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codec", help="codec folder (e.g. snac_24khz)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="engine parameter override, e.g. max_batch=64, kv_pages=4096, device=cuda, policy=fcfs, "
-                   "instances=2 (engines per model), gpus=0,1 (that many on each GPU); "
+                   "instances=2 (engines per model), gpus=0,1 (that many on each GPU), codec_instances=1 "
+                   "(the codec as its own model), codec_gpus=1 (its GPUs); "
                    "csm.max_batch=16 for one model only")
     p.add_argument("--host", default="127.0.0.1",
                    help="address the HTTP, gRPC and metrics ports bind; 0.0.0.0 for every interface")

@@ -259,7 +259,8 @@ def stage_settings(device: str) -> list[str]:
     return settings
 
 
-def goodput_sweep(lines: list[str], root: Path, device: str, sizes: dict, rates: list[float], duration: float) -> None:
+def goodput_sweep(lines: list[str], root: Path, device: str, sizes: dict, rates: list[float], duration: float,
+                  sides: tuple[str, ...] = ("colocated", "codec stage")) -> None:
     """Open-loop Poisson rates through tritonserver (voxbackend serve, the orpheus model at these sizes, random
     weights written as a checkpoint: about 13 GB in float32 at the 3B size, served in bfloat16), colocated (each
     engine decodes its own windows) and with the codec as its own model (stage_settings); goodput = the highest rate
@@ -281,6 +282,8 @@ def goodput_sweep(lines: list[str], root: Path, device: str, sizes: dict, rates:
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
     prompts = load_prompts(str(root_dir / "perf/data/prompts.txt"))
     for side, settings in (("colocated", []), ("codec stage", stage_settings(device))):
+        if side not in sides:
+            continue
         serve = ["serve", "--models", "orpheus", "--checkpoint", str(ckpt), "--codec", str(codec), "--set",
                  f"device={device}", "--set", f"dtype={dtype}", *settings]
         label = f"{side}: `{' '.join(settings)}`" if settings else side
@@ -342,7 +345,9 @@ def main() -> None:
         ok &= step("graphs parity", lambda: graphs_parity(lines, device))
         step("timings", lambda: timings(lines, Path(tmp), gpu, device, sizes))
         rates, duration = ([0.5], 4.0) if args.dry_run else ([2, 4, 8, 16], 15.0)
-        step("goodput sweep", lambda: goodput_sweep(lines, Path(tmp), device, sizes, rates, duration))
+        # the dry run sweeps the codec stage only: the colocated sweep is the same call without its settings
+        sides = ("codec stage",) if args.dry_run else ("colocated", "codec stage")
+        step("goodput sweep", lambda: goodput_sweep(lines, Path(tmp), device, sizes, rates, duration, sides))
     lines.append(f"\nAll steps: {time.monotonic() - t0:.0f} s.")
     text = "\n".join(lines) + "\n"
     print(text)

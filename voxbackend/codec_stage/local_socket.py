@@ -164,6 +164,7 @@ class SocketCodecClient:
                 link.conn.send_bytes(data)
             except OSError as exc:
                 link.pending.pop(group_id)
+                link.windows -= len(jobs)
                 future.set_exception(CodecStageError(f"codec stage {link.path.name}: {exc}"))
         return future
 
