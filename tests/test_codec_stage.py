@@ -20,7 +20,7 @@ from voxbackend.models.registry import KINDS, load_model
 from voxbackend.triton.loading import import_object
 from voxbackend.codec_stage.local_socket import CodecServer, CodecStageError, SocketCodecClient
 from voxbackend.codec_stage.urgent_queue import UrgentWindows
-from voxbackend.codec_stage.wire import pack, unpack
+from voxbackend.codec_stage.wire import _decode, _placement, pack, unpack
 from voxbackend.events import EventKind
 from voxbackend.models.base import WindowJob
 from voxbackend.sampling_params import SamplingParams
@@ -267,6 +267,12 @@ def test_the_wire_carries_codec_states_and_refuses_what_is_not_ours():
     np.testing.assert_array_equal(back["jobs"][0].codes, np.zeros((4, 7)))
     assert torch.equal(back["gen"].get_state(), generator.get_state()) and back["a"].dtype == np.int16
     assert back["t"][0] == 1 and torch.equal(back["t"][1], torch.arange(3))
+    # a CPU generator stays on the CPU when the rest goes to a GPU (the flow vocoders draw their noise there)
+    tagged = torch.load(io.BytesIO(pack(generator)), weights_only=True)
+    moved = _decode(tagged, "cuda:1")
+    assert moved.device.type == "cpu" and torch.equal(moved.get_state(), generator.get_state())
+    storage = torch.UntypedStorage(4)  # and so does every tensor that was on the CPU (no GPU here for the rest)
+    assert _placement("cuda:1")(storage, "cpu") is storage and _placement("cpu") == "cpu"
 
     @dataclasses.dataclass
     class Foreign:

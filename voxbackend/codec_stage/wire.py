@@ -26,8 +26,16 @@ def pack(value: Any) -> bytes:
 
 
 def unpack(data: bytes, device: str = "cpu") -> Any:
-    """`data` from pack(), with every tensor (and generator) on `device`."""
-    return _decode(torch.load(io.BytesIO(data), map_location=device, weights_only=True), device)
+    """`data` from pack(). What was on a GPU comes onto `device`, what was on the CPU stays there (a codec state
+    keeps some tensors and its vocoder's noise generator on the CPU whatever its device), as on a colocated engine."""
+    return _decode(torch.load(io.BytesIO(data), map_location=_placement(device), weights_only=True), device)
+
+
+def _placement(device: str):
+    if not device.startswith("cuda"):
+        return "cpu"
+    index = torch.device(device).index or 0
+    return lambda storage, location: storage if location == "cpu" else storage.cuda(index)
 
 
 def _encode(o: Any) -> Any:
@@ -38,7 +46,7 @@ def _encode(o: Any) -> Any:
     if isinstance(o, np.ndarray):
         return {TAG: "ndarray", "value": torch.from_numpy(np.ascontiguousarray(o))}
     if isinstance(o, torch.Generator):
-        return {TAG: "generator", "state": o.get_state()}
+        return {TAG: "generator", "cuda": o.device.type == "cuda", "state": o.get_state()}
     if isinstance(o, list):
         return [_encode(x) for x in o]
     if isinstance(o, tuple):
@@ -66,8 +74,8 @@ def _decode(o: Any, device: str) -> Any:
         return o["value"].cpu().numpy()
     if kind == "tuple":
         return tuple(_decode(x, device) for x in o["items"])
-    if kind == "generator":
-        generator = torch.Generator(device=device)
+    if kind == "generator":  # a CPU generator stays one (the flow vocoders draw their noise on the CPU)
+        generator = torch.Generator(device=device) if o["cuda"] else torch.Generator()
         generator.set_state(o["state"].cpu())
         return generator
     if kind == "dataclass":

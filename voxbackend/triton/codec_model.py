@@ -1,4 +1,4 @@
-"""`<model>_codec`: a model's codec as a stage of its own (docs/deploy.md, "The codec on its own GPU").
+"""`<model>_codec`: a model's codec as a stage of its own (docs/deploy.md, "The codec as its own model").
 
 Triton places its instances (instance_group: another GPU, or several) and loads and unloads them; the engines of
 the same server send it their windows over a local socket (codec_stage/local_socket.py says why not Triton
