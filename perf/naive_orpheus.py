@@ -43,14 +43,16 @@ def _processors(prompt_len: int, temperature: float, top_p: float, repetition_pe
                               TemperatureLogitsWarper, TopPLogitsWarper)
 
     class AudioConstraint(LogitsProcessor):
-        """Allow only codebook position p = (tokens generated so far) % 7, plus the stop token."""
+        """Allow only codebook position p = (tokens generated so far) % 7, plus the stop token at a frame's start
+        (the engine's candidates)."""
 
         def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
             p = (input_ids.shape[1] - prompt_len) % 7
             lo = AUDIO_BASE + CODEBOOK * p
             mask = torch.full_like(scores, float("-inf"))
             mask[:, lo:lo + CODEBOOK] = 0.0
-            mask[:, STOP_ID] = 0.0
+            if p == 0:
+                mask[:, STOP_ID] = 0.0
             return scores + mask
 
     # vLLM's order (what the official server runs): logits processors, penalties, temperature, top-p.

@@ -1,4 +1,5 @@
-"""Orpheus' candidate logits (stop token + one codebook) equal the full head at those ids, from host positions."""
+"""Orpheus' candidate logits (stop token + one codebook) equal the full head at those ids, from host positions; the
+stop token only at a frame's start."""
 import pytest
 import torch
 
@@ -13,7 +14,11 @@ def test_candidates_are_the_full_heads_rows(tiny_orpheus, codes_so_far):
     with torch.inference_mode():
         logits, ids = model.candidate_logits(hidden, codes_so_far)
         full = model.logits(hidden)
+    expected = full.gather(1, ids)
     for row, codes in enumerate(codes_so_far):
         first = AUDIO_BASE + CODEBOOK * (codes % 7)
         assert ids[row].tolist() == [END_OF_SPEECH, *range(first, first + CODEBOOK)]
-    assert torch.allclose(logits, full.gather(1, ids), rtol=0, atol=1e-5)
+        if codes % 7:  # inside a frame: no stop (it would cut the frame's codes so far)
+            assert logits[row, 0] == float("-inf")
+            expected[row, 0] = float("-inf")
+    assert torch.allclose(logits, expected, rtol=0, atol=1e-5)

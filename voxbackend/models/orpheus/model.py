@@ -143,8 +143,9 @@ class Orpheus(OrpheusFrontend):
     def candidate_logits(self, hidden: torch.Tensor, codes_so_far: list[int]):
         if not self.constrain_audio:
             return self.logits(hidden), None
-        # The next token is the stop token or a code of codebook position p: score just those 4097 rows of the
-        # head, one matmul per position present in the batch (7x less work than all 28,684 audio rows).
+        # The next token is the stop token (at a frame's start only) or a code of codebook position p: score just
+        # those 4097 rows of the head, one matmul per position present in the batch (7x less work than all 28,684
+        # audio rows).
         # Positions come from the host, so grouping rows by position needs no device read-back.
         positions = [c % FRAME for c in codes_so_far]
         device = hidden.device
@@ -157,6 +158,9 @@ class Orpheus(OrpheusFrontend):
             for p in present:
                 rows = long_tensor([i for i, q in enumerate(positions) if q == p], device)
                 logits[rows, 1:] = (hidden[rows] @ self._code_heads[p].T).float()
+        mid_frame = [i for i, p in enumerate(positions) if p]
+        if mid_frame:  # a stream ends between frames: a stop inside one would drop the frame's codes so far
+            logits[long_tensor(mid_frame, device), 0] = float("-inf")
         first = AUDIO_BASE + CODEBOOK * long_tensor(positions, device)[:, None]
         ids = torch.cat([self._stop.expand(len(hidden), 1), first + self._codebook_offsets], 1)
         return logits, ids  # ids ascending per row (the stop id is below every audio id)
