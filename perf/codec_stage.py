@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -23,6 +22,7 @@ ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]
 
 import provenance  # noqa: E402  (perf/provenance.py)
+from rounds import median_cells  # noqa: E402  (perf/rounds.py)
 from clients.loadgen import RequestOptions, load_prompts, run_load  # noqa: E402
 from clients.stream_metrics import summarize  # noqa: E402
 from voxbackend.deploy import configs  # noqa: E402
@@ -99,12 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     for model in models:
         for rate in rates[model]:
             for key, label in METRICS:
-                vals = {s: [run[rate][key] for run in results[model, s] if run[rate][key] is not None] for s in SIDES}
-                med = {s: statistics.median(v) if v else None for s, v in vals.items()}
+                med, cells = median_cells({s: [run[rate][key] for run in results[model, s]] for s in SIDES})
                 a, b = med["colocated"], med["codec stage"]
                 ratio = f"{b / a:.2f}" if a and b is not None and key != "errors" else "-"
-                cells = {s: (f"{med[s]:.3g} [{', '.join(f'{x:.3g}' for x in vals[s])}]" if med[s] is not None
-                             else "-") for s in SIDES}
                 lines.append(f"| {model} | {rate:g} | {label} | {cells['colocated']} | {cells['codec stage']} | "
                              f"{ratio} |")
     text = "\n".join(lines) + "\n"

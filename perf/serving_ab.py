@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]
 
 import provenance  # noqa: E402  (perf/provenance.py)
+from rounds import median_cells  # noqa: E402  (perf/rounds.py)
 from clients.loadgen import load_prompts, run_load  # noqa: E402
 from clients.stream_metrics import summarize  # noqa: E402
 from voxbackend.models.orpheus.tiny import ensure_default_checkpoint  # noqa: E402
@@ -98,11 +98,8 @@ def main(argv: list[str] | None = None) -> int:
              "| rate (req/s) | metric | base | new | new / base |", "|---|---|---|---|---|"]
     for rate in rates:
         for key, label in METRICS:
-            vals = {n: [run[rate][key] for run in results[n] if run[rate][key] is not None] for n in sides}
-            med = {n: statistics.median(v) if v else None for n, v in vals.items()}
+            med, cells = median_cells({n: [run[rate][key] for run in results[n]] for n in sides})
             ratio = f"{med['new'] / med['base']:.2f}" if med["base"] and med["new"] is not None else "-"
-            cells = {n: (f"{med[n]:.3g} [{', '.join(f'{x:.3g}' for x in vals[n])}]" if med[n] is not None else "-")
-                     for n in sides}
             lines.append(f"| {rate:g} | {label} | {cells['base']} | {cells['new']} | {ratio} |")
     text = "\n".join(lines) + "\n"
     print(text)
