@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import queue
 import threading
 from concurrent.futures import Future
 
@@ -29,28 +28,14 @@ TEXTS = ["hello there world", "a second voice speaks now"]  # one on each engine
 PARITY = [("cosyvoice2", 50)]  # Orpheus through the stage: tests/test_triton_codec_stage.py
 
 
-def play(engine, prompt, sampling) -> tuple[np.ndarray, str | None]:
-    """One stream on a started engine: its audio and its error."""
-    events: queue.Queue = queue.Queue()
-    engine.submit(prompt, sampling, events.put)
-    chunks = []
-    while True:
-        e = events.get(timeout=120)
-        if e.kind is EventKind.AUDIO:
-            chunks.append(e.audio)
-        if e.final:
-            return (np.concatenate(chunks) if chunks else np.zeros(0, np.float32)), e.error
-
-
 # flow caches and a generator, windows the state schedules (the other models' windows go over the wire in the next
 # test, and Orpheus' through a real tritonserver in tests/test_triton_codec_stage.py)
 @pytest.mark.parametrize("name,max_tokens", PARITY)
 def test_two_engines_sharing_a_two_instance_stage_play_the_colocated_audio(name, max_tokens, tmp_path):
     colocated = tiny_engine(name).start()
     voice = colocated.model.voices[0] if colocated.model.voices else None
-    prompts = [colocated.model.prepare(text, voice) for text in TEXTS]
     sampling = [SamplingParams(seed=3 + i, max_tokens=max_tokens) for i in range(len(TEXTS))]
-    want = [play(colocated, p, s)[0] for p, s in zip(prompts, sampling)]
+    want = [colocated.synthesize(text, voice, s)[0] for text, s in zip(TEXTS, sampling)]
     colocated.shutdown()
 
     # two stage instances, each with its own model (the second as the Triton stage loads it, without the LM): a
@@ -63,8 +48,8 @@ def test_two_engines_sharing_a_two_instance_stage_play_the_colocated_audio(name,
         engine.use_codec_stage(client)
         engine.start()
     got: list = [None] * len(TEXTS)
-    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, play(engines[i % 2], prompts[i], sampling[i])))
-               for i in range(len(TEXTS))]
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(
+        i, engines[i % 2].synthesize(TEXTS[i], voice, sampling[i])[0])) for i in range(len(TEXTS))]
     try:
         for t in threads:
             t.start()
@@ -78,8 +63,8 @@ def test_two_engines_sharing_a_two_instance_stage_play_the_colocated_audio(name,
         for server, stage in zip(servers, stages):
             server.close()
             stage.stop()
-    for i, (audio, error) in enumerate(got):
-        assert error is None, error
+    for i, audio in enumerate(got):
+        assert audio is not None, f"stream {i} failed (its exception is above)"
         assert audio.shape == want[i].shape, (i, audio.shape, want[i].shape)
         np.testing.assert_allclose(audio, want[i], atol=2e-4, err_msg=f"{name} stream {i}")
     assert all(stage.stats.windows > 0 for stage in stages)
@@ -130,10 +115,9 @@ def test_the_stage_loads_the_codec_without_the_lm_and_decodes_the_same_windows(n
 
     engine.model.detokenize = recording
     voice = engine.model.voices[0] if engine.model.voices else None
-    audio, error = play(engine.start(), engine.model.prepare("hello there world", voice),
-                        SamplingParams(seed=5, max_tokens=40))
+    audio = engine.start().synthesize("hello there world", voice, SamplingParams(seed=5, max_tokens=40))[0]
     engine.shutdown()
-    assert error is None and sent
+    assert sent
     replayed = np.concatenate([a for data in sent for a in stage.detokenize(unpack(data))])
     np.testing.assert_allclose(replayed, audio, atol=1e-5)
 
