@@ -354,5 +354,6 @@ def main() -> None:
     out.write_text(text)
     raise SystemExit(0 if ok else 1)
 
+
 if __name__ == "__main__":
     main()

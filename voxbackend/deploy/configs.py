@@ -93,7 +93,7 @@ class ServedModel:
 
     @property
     def codec_stage(self) -> str:
-        return f"{self.name}_codec"
+        return codec_stage_name(self.name)
 
     def params(self, overrides: dict[str, str] | None = None) -> dict[str, str]:
         """Parameters with overrides: `key` applies to every model, `<model name>.key` to this one only."""
@@ -143,8 +143,12 @@ def engine_parameters(params: dict[str, str]) -> dict[str, str]:
     listed = {k: v for k, v in params.items()
               if k != "frontend_loader" and k not in PLACEMENT and k not in CODEC_PLACEMENT}
     if codec_instances(params):
-        listed["codec_model"] = f"{params['model_kind']}_codec"
+        listed["codec_model"] = codec_stage_name(params["model_kind"])
     return listed
+
+
+def codec_stage_name(model: str) -> str:
+    return f"{model}_codec"
 
 
 def codec_instances(params: dict[str, str]) -> int:
