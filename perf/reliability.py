@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import numpy as np  # noqa: E402
 
 import provenance  # noqa: E402  (perf/provenance.py)
 from clients.loadgen import chunk_audio_seconds, finish_reason, is_final  # noqa: E402
+from voxbackend.deploy.server import free_port  # noqa: E402
 from voxbackend.stream_client import StreamOutcome, make_inputs, stream_request  # noqa: E402
 from voxbackend.triton.metrics import FINISH_REASONS  # noqa: E402
 
@@ -227,12 +227,6 @@ def running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- the server, through the launcher
@@ -1390,8 +1384,12 @@ def main(argv: list[str] | None = None) -> int:
         if models:
             print(f"starting voxbackend serve ({', '.join(models)}) ...", flush=True)
             suite.server = Launcher(models, settings, suite.tmp / "server")
-            suite.server.start(args.startup_timeout)
-            print(f"server ready after {time.monotonic() - t_start:.0f} s on {suite.url}", flush=True)
+            try:
+                suite.server.start(args.startup_timeout)
+                print(f"server ready after {time.monotonic() - t_start:.0f} s on {suite.url}", flush=True)
+            except RuntimeError as e:  # the report still gets written: every probe that needs the server says so
+                print(e, flush=True)
+                results.append(Result("server", "voxbackend serve becomes ready", short(str(e), 300), ERROR))
         for probe in probes:
             t0 = time.monotonic()
             if probe.models and not suite.server.alive():

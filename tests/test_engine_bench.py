@@ -1,7 +1,5 @@
 """perf/engine_bench.py works end to end (tiny model, seconds) and its queueing arithmetic is right."""
 import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -45,35 +43,29 @@ def test_spread_covers_both_ends(bench):
     assert bench.spread(1, 4) == [0]
 
 
-def test_quick_run_writes_a_results_table(tmp_path):
+def quick_run(bench, tmp_path: Path, capsys, *model: str) -> tuple[str, str]:
+    """`engine_bench.py [--model M] --quick` in this process (a subprocess would import torch again, for longer
+    than the run itself takes): the results file's text and what it printed."""
     out = tmp_path / "result.md"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    text = out.read_text()
+    assert bench.main([*model, "--quick", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]) == out
+    return out.read_text(), capsys.readouterr().out
+
+
+def test_quick_run_writes_a_results_table(bench, tmp_path, capsys):
+    text, printed = quick_run(bench, tmp_path, capsys)
     assert "x real time = audio seconds / wall seconds" in text
     rows = [ln for ln in text.splitlines() if ln.startswith("| 1 |") or ln.startswith("| 4 |")]
     systems = {(ln.split("|")[1].strip(), ln.split("|")[2].strip()) for ln in rows}
     assert {("1", "naive"), ("1", "engine"), ("4", "naive"), ("4", "engine")} <= systems
     for key in ("- commit:", "- cpu:", "- torch:", "- weights: random", "- dataset:", "max_tokens 42"):
         assert key in text, key
-    ratio_line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("Ratio engine/naive"))
+    ratio_line = next(ln for ln in printed.splitlines() if ln.startswith("Ratio engine/naive"))
     ratios = [float(x.split()[-1].rstrip("x,")) for x in ratio_line.split(":", 1)[1].split(",")]
     assert len(ratios) == 2 and all(r > 0 for r in ratios)
 
 
-def test_csm_quick_run_writes_a_results_table(tmp_path):
-    out = tmp_path / "csm.md"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), "--model", "csm", "--quick", "--cache-dir", str(tmp_path / "cache"),
-         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    text = out.read_text()
+def test_csm_quick_run_writes_a_results_table(bench, tmp_path, capsys):
+    text, _ = quick_run(bench, tmp_path, capsys, "--model", "csm")
     systems = {tuple(c.strip() for c in ln.split("|")[1:3]) for ln in text.splitlines() if ln.startswith("| ")}
     assert {("1", "naive"), ("1", "engine"), ("4", "naive"), ("4", "engine")} <= systems
     for key in ("- commit:", "- cpu:", "random weights", "- dataset:", "12 frames", "CsmForConditionalGeneration"):
@@ -82,15 +74,8 @@ def test_csm_quick_run_writes_a_results_table(tmp_path):
     assert len(ratios) == 2 and all(r > 0 for r in ratios)
 
 
-def test_qwen3_tts_quick_run_writes_a_results_table(tmp_path):
-    out = tmp_path / "qwen3_tts.md"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), "--model", "qwen3_tts", "--quick", "--cache-dir", str(tmp_path / "cache"),
-         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    text = out.read_text()
+def test_qwen3_tts_quick_run_writes_a_results_table(bench, tmp_path, capsys):
+    text, _ = quick_run(bench, tmp_path, capsys, "--model", "qwen3_tts")
     systems = {tuple(c.strip() for c in ln.split("|")[1:3]) for ln in text.splitlines() if ln.startswith("| ")}
     assert {("1", "naive"), ("1", "engine"), ("4", "naive"), ("4", "engine")} <= systems
     for key in ("- commit:", "- cpu:", "random weights", "- dataset:", "12 frames", "non_streaming_mode=False"):
@@ -99,15 +84,8 @@ def test_qwen3_tts_quick_run_writes_a_results_table(tmp_path):
     assert len(ratios) == 2 and all(r > 0 for r in ratios)
 
 
-def test_cosyvoice2_quick_run_writes_a_results_table(tmp_path):
-    out = tmp_path / "cosyvoice2.md"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), "--model", "cosyvoice2", "--quick", "--cache-dir", str(tmp_path / "cache"),
-         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    text = out.read_text()
+def test_cosyvoice2_quick_run_writes_a_results_table(bench, tmp_path, capsys):
+    text, _ = quick_run(bench, tmp_path, capsys, "--model", "cosyvoice2")
     rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in text.splitlines() if ln.startswith("| ")]
     systems = {tuple(r[:2]) for r in rows}
     assert {(n, s) for n in ("1", "4") for s in ("engine", "naive", "naive stream=True")} <= systems
@@ -122,15 +100,8 @@ def test_cosyvoice2_quick_run_writes_a_results_table(tmp_path):
         assert len(ratios) == 2 and all(r > 0 for r in ratios)
 
 
-def test_chatterbox_quick_run_writes_a_results_table(tmp_path):
-    out = tmp_path / "chatterbox.md"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), "--model", "chatterbox", "--quick", "--cache-dir", str(tmp_path / "cache"),
-         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    text = out.read_text()
+def test_chatterbox_quick_run_writes_a_results_table(bench, tmp_path, capsys):
+    text, _ = quick_run(bench, tmp_path, capsys, "--model", "chatterbox")
     rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in text.splitlines() if ln.startswith("| ")]
     assert {(n, s) for n in ("1", "4") for s in ("engine", "reference")} <= {tuple(r[:2]) for r in rows}
     for r in rows[1:]:  # x real time, tokens/s, TTFA p50 / p90, tokens, audio, wall: served audio within the cap

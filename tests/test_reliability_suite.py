@@ -105,8 +105,10 @@ def test_quick_probes_run_against_a_real_server(tmp_path):
     only = ",".join(PASSING_TODAY + [FINDING, "cancel_storm"])
     done = subprocess.run([sys.executable, str(ROOT / "perf" / "reliability.py"), "--quick", "--only", only,
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode in (0, 1), done.stdout[-4000:] + done.stderr[-4000:]
+    printed = done.stdout[-4000:] + done.stderr[-4000:]
+    assert done.returncode in (0, 1) and out.exists(), printed
     rows = table_rows(out.read_text())
+    assert not [k for k, r in rows.items() if r[3] == "**ERROR**"], printed
     for name in PASSING_TODAY:
         row = next((r for k, r in rows.items() if k.startswith(name + " ")), None)
         assert row is not None, f"no row for {name}: {sorted(rows)}"
@@ -120,4 +122,3 @@ def test_quick_probes_run_against_a_real_server(tmp_path):
         assert finding[3] == "**PASS**" and "TEMPERATURE" in finding[2], finding
     storm = rows["cancel_storm"]
     assert storm[3] == "**PASS**" and storm[4:6] == ["0", "0"], storm
-    assert not [k for k, r in rows.items() if r[3] == "**ERROR**"]

@@ -7,13 +7,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import numpy as np
 import pytest
 
 from tests import test_triton_chatterbox as chatterbox
 from tests import test_triton_cosyvoice2 as cosyvoice2
 from tests import test_triton_csm as csm
+from tests import test_triton_e2e as e2e
 from tests import test_triton_qwen3_tts as qwen3_tts
 from tests.triton_util import COMMITTED, assert_matches, drain_streams
+from voxbackend.stream_client import make_inputs
 
 pytestmark = [pytest.mark.xdist_group(COMMITTED), pytest.mark.stops_committed_server]
 
@@ -27,10 +30,42 @@ DRAINED = [
 ]
 
 
+# Orpheus: (model, text, voice, format, seed); MIN_TOKENS keeps the tiny random model from stopping early
+ORPHEUS = [("orpheus", "Hello there, a drained stream.", "tara", "pcm16", 7),
+           ("orpheus", "The quick brown fox jumps over the lazy dog.", None, "fp32", 8),
+           ("orpheus_engine", "See you tomorrow, my friend.", "leo", "fp32", 9)]
+ORPHEUS_TOKENS = 140  # 20 frames, 1.7 s
+
+
+def orpheus_sampling(seed: int) -> dict:
+    return {"MAX_TOKENS": ORPHEUS_TOKENS, "MIN_TOKENS": ORPHEUS_TOKENS, "SEED": seed, "TOP_K": e2e.TOP_K}
+
+
+def orpheus_references() -> list[np.ndarray]:
+    """Engine.synthesize on the checkpoint the server built (the run's cache), one request at a time."""
+    import voxbackend
+    from voxbackend.models.orpheus.tiny import ensure_default_checkpoint
+
+    engine = voxbackend.load(*ensure_default_checkpoint())
+    engine.start()
+    try:
+        base = engine.model.default_sampling()
+        return [engine.synthesize(text, voice, dataclasses.replace(
+            base, max_tokens=ORPHEUS_TOKENS, min_tokens=ORPHEUS_TOKENS, seed=seed, top_k=e2e.TOP_K))[0]
+            for _, text, voice, _, seed in ORPHEUS]
+    finally:
+        engine.shutdown()
+
+
 def test_sigterm_lets_every_familys_open_streams_finish_with_their_whole_audio_and_exit_0(committed_server):
     streams = [(family, dataclasses.replace(case, max_tokens=length), model)
                for family, length, models in DRAINED for case, model in zip(family.CASES[:3], models)]
-    outs = drain_streams(committed_server, [(model, case.inputs(), case.fmt) for _, case, model in streams])
+    orpheus = [(model, make_inputs(text, voice, fmt, **orpheus_sampling(seed)), fmt)
+               for model, text, voice, fmt, seed in ORPHEUS]
+    outs = drain_streams(committed_server, orpheus + [(model, case.inputs(), case.fmt) for _, case, model in streams])
+    for (model, _, fmt), out, expected in zip(orpheus, outs, orpheus_references()):
+        assert_matches(out, expected, fmt, f"drained stream ({model})")
+    outs = outs[len(orpheus):]
     with contextlib.ExitStack() as engines:
         references = {family: engines.enter_context(family.reference_engine()) for family, _, _ in DRAINED}
         for i, ((family, case, model), out) in enumerate(zip(streams, outs)):

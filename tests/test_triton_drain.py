@@ -3,8 +3,8 @@
 Streams through the front model (`orpheus`), direct engine streams and text-stream sequences all finish with
 their whole audio and the server exits 0; a request sent during the drain is refused at once; streams still
 running at the end of drain_grace_s get an error and a final response, and the exit is still 0. The fake engine
-(weights-free; one chunk per prompt character, `step_s` apart) keeps the streams long and their lengths known;
-one test drains the real tiny Orpheus. `voxbackend serve` passes SIGTERM on the same way.
+(weights-free; one chunk per prompt character, `step_s` apart) keeps the streams long and their lengths known
+(the real models drain in tests/test_triton_committed_drain.py). `voxbackend serve` passes SIGTERM on the same way.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from voxbackend.stream_client import StreamOutcome, make_inputs, stream_request, stream_text_pieces  # noqa: E402
-from tests.triton_util import committed_models, sigterm_while_streaming, start_serve  # noqa: E402
+from tests.triton_util import start_serve  # noqa: E402
 from voxbackend.deploy import configs  # noqa: E402
 from voxbackend.triton.drain import http_port_open, server_http_address  # noqa: E402
 from voxbackend.testing.fake_engine import TOKENS_PER_CHUNK, FakeStreamingModel  # noqa: E402
@@ -151,27 +151,6 @@ def test_a_refused_then_cancelled_request_does_not_hold_a_plain_server(tmp_path)
         assert "data-type is 'FP64'" in (_refused_then_cancelled(srv.grpc_url, "orpheus") or "")
         srv.proc.send_signal(signal.SIGINT)
         assert srv.proc.wait(30) == 0
-    finally:
-        srv.close()
-
-
-def test_sigterm_drains_the_real_tiny_orpheus(tmp_path):
-    """The committed repository's orpheus models with the default tiny checkpoint: streams through the front
-    model finish with their whole audio (as long as a stream with no drain gets) and the server exits 0."""
-    repo = committed_models(["orpheus", "orpheus_engine", "orpheus_preprocess"], tmp_path / "model_repository")
-    srv = TritonServer(repo, log_file=tmp_path / "tritonserver.log", work_dir=tmp_path / "work").start(300)
-    try:
-        inputs = lambda: make_inputs("Hello there, a drained stream.", MAX_TOKENS=280, MIN_TOKENS=280, SEED=7,  # noqa: E731
-                                     TEMPERATURE=0.0)
-        reference = stream_request(srv.grpc_url, "orpheus", inputs(), timeout=120)
-        assert reference.error is None and reference.chunks, reference.error
-        jobs = [lambda: stream_request(srv.grpc_url, "orpheus", inputs(), timeout=120) for _ in range(3)]
-        code, signalled, outs = sigterm_while_streaming(srv, jobs)  # once each stream has its first audio
-        assert code == 0, srv.log_tail()
-        for i, out in enumerate(outs):
-            assert out.error is None and out.finish_reason == reference.finish_reason, (i, out.error)
-            assert out.audio.size == reference.audio.size, (i, out.audio.size, reference.audio.size)
-            assert out.end_time > signalled, i  # still playing at the signal: a drain, not an end
     finally:
         srv.close()
 

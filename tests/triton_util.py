@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import re
-import shutil
 import signal
 import subprocess
 import threading
@@ -134,15 +133,6 @@ def drain_streams(server: TritonServer, requests: list[tuple[str, list, str]]) -
     assert code == 0, f"exit {code}; streams (chunks, finish, error, s after SIGTERM): {seen}\n{server.log_tail()}"
     assert any(o and o.end_time and o.end_time > signalled for o in outs), "every stream ended before SIGTERM"
     return outs
-
-
-def committed_models(folders: list[str], repo: Path) -> Path:
-    """A repository holding only these folders of the committed model_repository/ (what users copy)."""
-    from voxbackend.deploy import configs
-
-    for name in folders:
-        shutil.copytree(configs.DEFAULT_REPOSITORY / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-    return repo
 
 
 def run_concurrently(jobs: list[Callable[[], T]], stagger_s: float = 0.0, timeout: float = 600) -> list[T]:

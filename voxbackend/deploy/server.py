@@ -8,6 +8,7 @@ ignores PYTHONPATH), and the wheel's bundled libraries on LD_LIBRARY_PATH.
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -122,8 +123,32 @@ def _running(pid: int) -> bool:
 SHM_DIR = Path("/dev/shm")
 
 
+_PORT_PICKER = random.Random()  # its own: a test seeding the global random must not make two servers pick alike
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port nothing listens on, for a server to bind a moment later. Picked below the ephemeral range: a port
+    from bind(port 0) lies inside it, where any outgoing connection (a client's, on a busy machine) may take it
+    first, and the server then fails to start."""
+    low = ephemeral_ports()[0]
+    for _ in range(200):
+        port = _PORT_PICKER.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that span is full: let the kernel pick
         s.bind((host, 0))
         return s.getsockname()[1]
 
