@@ -72,7 +72,9 @@ class CodecServer:
             return not self._engines
 
     def close(self) -> None:
-        self._closed = True
+        with self._changed:  # an engine accepted from now on is hung up at once (_accept)
+            self._closed = True
+            engines = list(self._engines.values())
         if self._listener is not None:
             self._listener.close()
         self.path.unlink(missing_ok=True)
@@ -81,7 +83,7 @@ class CodecServer:
                 folder.rmdir()
             except OSError:
                 pass
-        for conn in list(self._engines.values()):
+        for conn in engines:
             _hang_up(conn)  # its reader thread sees the end and closes it
 
     def _accept(self) -> None:
@@ -92,6 +94,9 @@ class CodecServer:
                 return
             source = next(self._ids)
             with self._changed:
+                if self._closed:  # accepted while close() ran: it did not see this one
+                    conn.close()
+                    return
                 self._engines[source] = conn
             threading.Thread(target=self._serve, args=(source, conn), name=f"codec-stage-engine-{source}",
                              daemon=True).start()
@@ -209,8 +214,8 @@ class SocketCodecClient:
                     future.set_exception(CodecStageError(msg["error"]))
                 else:
                     future.set_result((msg["audio"], msg["state"]))
-        except (EOFError, OSError) as exc:
-            reason = "closed the connection" if isinstance(exc, EOFError) else str(exc)
+        except (EOFError, OSError) as exc:  # a reset: the stage closed before it read what this link sent
+            reason = "closed the connection" if isinstance(exc, (EOFError, ConnectionResetError)) else str(exc)
         except Exception as exc:  # noqa: BLE001 - an unreadable reply ends this link, not the engine
             reason = f"sent an unreadable reply ({exc})"
         with self._lock:
