@@ -22,7 +22,7 @@ from voxbackend.models.step_audio2.audio_encoder import (AudioEncoder, AudioEnco
                                                           placeholder_count)
 from voxbackend.models.tiny_weights import perturb_default_inits
 
-TINY = AudioEncoderConfig(n_mels=128, n_audio_ctx=64, n_audio_state=32, n_audio_head=4, n_audio_layer=2, llm_dim=24)
+TINY = AudioEncoderConfig(n_mels=128, n_audio_ctx=128, n_audio_state=32, n_audio_head=4, n_audio_layer=2, llm_dim=24)
 
 
 def clip(seconds: float, seed: int) -> torch.Tensor:
@@ -129,13 +129,15 @@ def upstream_rows(encoder: AudioEncoder, mel: torch.Tensor) -> torch.Tensor:
 
 
 def test_each_clip_alone_equals_the_upstream_forward(encoder):
-    for seconds, seed in ((0.3, 5), (0.71, 6), (1.0, 7), (1.26, 8)):  # odd and even frame counts
+    for seconds, seed in ((0.3, 5), (0.71, 6), (1.0, 7), (1.26, 8), (1.3, 9)):  # odd and even frame counts
         mel = piece_mel(clip(seconds, seed))
         [ours] = encoder([mel])
         with torch.inference_mode():
             expected = upstream_rows(encoder, mel)
-        assert ours.shape == (placeholder_count(mel.shape[-1]), TINY.llm_dim) == expected.shape, mel.shape
-        torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+        count = placeholder_count(mel.shape[-1])
+        # upstream's adapter gives a row more for some lengths (1.3 s: 17 for 16 placeholders); it inserts the first
+        assert ours.shape == (count, TINY.llm_dim) and expected.shape[0] in (count, count + 1), mel.shape
+        torch.testing.assert_close(ours, expected[:count], atol=1e-5, rtol=1e-5)
 
 
 def test_a_batch_of_different_lengths_gives_each_clip_its_rows_alone(encoder):

@@ -1,0 +1,171 @@
+"""Step-Audio 2's LM in the engine (voxbackend/models/step_audio2/model.py) on the tiny random checkpoint
+(voxbackend/models/step_audio2/tiny.py), against a reference composed from independent parts:
+
+- the prompt: step-audio2==1.0.0's own StepAudio2.apply_chat_template (stepaudio2.py, run unbound: it never uses
+  the model it belongs to) and its tokenization, one tokenizer call per piece, by transformers' tokenizer;
+- the audio rows: the straightforward torch transcription of the upstream encoder (tests/test_step_audio2_encoder.py),
+  the first compute_token_num(frames) of each piece's (as upstream inserts them);
+- the LM: transformers' Qwen2ForCausalLM.generate from inputs_embeds, greedy.
+
+Greedy reply ids equal the reference's, alone and batched with staggered arrivals.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from step_audio2_oracle import load_utils
+from test_step_audio2_encoder import upstream_rows
+from voxbackend import SamplingParams
+from voxbackend.config import EngineConfig
+from voxbackend.engine.engine import Engine
+from voxbackend.errors import InvalidRequest
+from voxbackend.models.base import FEATURE
+from voxbackend.models.checkpoint import load_safetensors, read_config
+from voxbackend.models.step_audio2.audio_encoder import piece_mel
+from voxbackend.models.step_audio2.model import AUDIO_OFFSET, StepAudio2
+from voxbackend.models.step_audio2.tiny import write_tiny_step_audio2
+from cosyvoice_oracle import ORACLES
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS = 12
+SYSTEM = "You are a helpful assistant."
+
+
+def clip(seconds: float, seed: int) -> np.ndarray:
+    t = np.arange(int(seconds * 16000)) / 16000
+    noise = np.random.default_rng(seed).standard_normal(t.size)
+    return (0.3 * np.sin(2 * np.pi * (170 + 30 * seed) * t) + 0.05 * noise).astype(np.float32)
+
+
+# (text, audio seconds, system, spoken reply)
+REQUESTS = [("Good morning! What is this sound?", 1.3, SYSTEM, True), (None, 0.7, None, True),
+            ("Tell me about the weather.", None, SYSTEM, False), ("Hello there, <|EOT|> is text here.", 0.45, None,
+                                                                  True)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_step_audio2(tmp_path_factory.mktemp("step_audio2"))
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return StepAudio2(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    """stepaudio2.py's StepAudio2 class, its `from utils import ...` answered by the oracle's utils.py and
+    load_audio by the clip itself (the test hands it arrays, not files)."""
+    utils = load_utils()
+    saved = sys.modules.get("utils")
+    sys.modules["utils"] = utils
+    try:
+        source = ORACLES / "step_audio2" / "stepaudio2.py"
+        spec = importlib.util.spec_from_file_location("step_audio2_stepaudio2", source)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        if saved is None:
+            del sys.modules["utils"]
+        else:
+            sys.modules["utils"] = saved
+    module.load_audio = lambda audio: torch.from_numpy(audio)
+    return module
+
+
+def upstream_prompt(upstream, checkpoint, text, seconds, system, speak, seed):
+    """The upstream messages for one request -> (prompt ids, the spectrogram of each audio piece)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
+    content = ([{"type": "text", "text": text}] if text else []) + (
+        [{"type": "audio", "audio": clip(seconds, seed)}] if seconds else [])
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "human", "content": content},
+        {"role": "assistant", "content": "<tts_start>" if speak else None, "eot": False}]
+    pieces, mels = upstream.StepAudio2.apply_chat_template(None, messages)
+    ids = [i for piece in pieces for i in tokenizer(text=piece)["input_ids"]]
+    return ids, mels, tokenizer.convert_tokens_to_ids("<audio_patch>")
+
+
+def reference_reply(checkpoint, model, ids, mels, patch_id) -> list[int]:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    text_config = read_config(checkpoint)["text_config"]
+    lm = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in text_config.items() if k != "max_seq_len"})).eval()
+    weights = load_safetensors(checkpoint)
+    lm.load_state_dict({k: v for k, v in weights.items() if k.startswith(("model.", "lm_head."))}, strict=True)
+    with torch.inference_mode():
+        at = [i for i, t in enumerate(ids) if t == patch_id]
+        embeds = lm.get_input_embeddings()(torch.tensor([max(i, 0) for i in ids]))
+        if mels:
+            count = load_utils().compute_token_num  # the adapter may give a row more: upstream takes the first ones
+            embeds[at] = torch.cat([upstream_rows(model.audio_encoder, m)[:count(m.shape[1])] for m in mels])
+        out = lm.generate(inputs_embeds=embeds[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
+    return out[0].tolist()
+
+
+def test_prompts_equal_the_upstream_template_and_its_tokenization(upstream, checkpoint, model):
+    for seed, (text, seconds, system, speak) in enumerate(REQUESTS):
+        if text and "<|EOT|>" in text:
+            continue  # upstream makes it a control id; here it stays text (below)
+        ids, mels, patch = upstream_prompt(upstream, checkpoint, text, seconds, system, speak, seed)
+        prompt = model.prepare(text, audio=clip(seconds, seed) if seconds else None, system=system, speak=speak)
+        assert prompt.ids == [FEATURE if i == patch else i for i in ids], seed
+        if seconds:
+            for mel, theirs in zip([piece_mel(clip(seconds, seed))], mels):
+                torch.testing.assert_close(mel, theirs, atol=1e-5, rtol=1e-5)
+            assert prompt.conditioning["audio_rows"].shape == (ids.count(patch), 64)
+    spelled = model.prepare("say <|EOT|> now")
+    assert spelled.ids.count(model.template.eot) == 1, "text that spells a control token stays text"
+
+
+def test_greedy_replies_equal_the_composed_reference_alone_and_batched(upstream, checkpoint, model):
+    expected = []
+    prompts = []
+    for seed, (text, seconds, system, speak) in enumerate(REQUESTS):
+        prompts.append(model.prepare(text, audio=clip(seconds, seed) if seconds else None, system=system,
+                                     speak=speak))
+        if text and "<|EOT|>" in text:  # upstream would make a control id of it: the reference takes ours
+            ids = [i if i != FEATURE else -1 for i in prompts[-1].ids]
+            mels, patch = [piece_mel(clip(seconds, seed))], -1
+        else:
+            ids, mels, patch = upstream_prompt(upstream, checkpoint, text, seconds, system, speak, seed)
+        expected.append(reference_reply(checkpoint, model, ids, mels, patch))
+    greedy = SamplingParams(temperature=0, max_tokens=STEPS, min_tokens=STEPS)
+    engine = Engine(model, EngineConfig(page_size=4, max_batch=4, kv_pages=256, prefill_budget=16))
+    alone = [engine.generate_ids([p], greedy)[0] for p in prompts]
+    assert alone == expected
+    done: dict[str, list[int]] = {}
+    ids = []
+    for p in prompts:  # each arrives while the earlier ones are decoding
+        ids.append(engine.submit(p, greedy, lambda e: done.__setitem__(e.request_id, e.token_ids) if e.final else None,
+                                 streaming=False))
+        engine.step()
+        engine.step()
+    while len(done) < len(ids):
+        engine.step()
+    assert [done[i] for i in ids] == expected
+    assert engine.pool.used_pages == 0
+    reply = expected[0]
+    assert model.audio_codes(reply) == [i - AUDIO_OFFSET for i in reply if i >= AUDIO_OFFSET]
+
+
+def test_bad_requests_are_refused_naming_the_field(model):
+    with pytest.raises(InvalidRequest, match="give text, audio or both") as e:
+        model.prepare(None)
+    assert e.value.field == "text"
+    with pytest.raises(InvalidRequest, match="limit is 60 s") as e:
+        model.prepare(audio=np.zeros(61 * 16000, np.float32))
+    assert e.value.field == "audio"
+    with pytest.raises(InvalidRequest, match="non-empty mono") as e:
+        model.prepare(audio=np.zeros((2, 100), np.float32))
+    assert e.value.field == "audio"

@@ -1,0 +1,106 @@
+"""A deterministic random-weight Step-Audio-2-mini checkpoint folder, in the official layout.
+
+    python -m voxbackend.models.step_audio2.tiny --out DIR [--seed N]
+
+writes DIR/config.json (`text_config` and `audio_encoder_config`, as the official file nests them),
+DIR/model.safetensors (the LM under `model.` and `lm_head.`, the audio encoder under `encoder.` and `adapter.`) and
+DIR/tokenizer.json: a toy byte-level BPE plus Step's chat and audio tokens. The vocabulary keeps the official size
+and the audio tokens' place (6561 S3 codes from id 151696), so the tiny LM can say text and audio ids alike.
+
+Weights are at unit scale, so greedy decoding does not meet near-ties that float rounding could flip. The head's
+rows of ids the toy vocabulary leaves unused are zero (so they are never picked over the spread of the real ones).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from voxbackend.models.step_audio2.audio_encoder import AudioEncoder, AudioEncoderConfig
+from voxbackend.models.tiny_tokenizer import CORPUS
+from voxbackend.models.tiny_weights import perturb_default_inits
+
+AUDIO_OFFSET = 151696  # the first audio id (S3 code 0)
+AUDIO_CODES = 6561
+VOCAB = 158720
+TEXT_VOCAB = 1024  # the toy BPE's ids, then the added tokens below
+ADDED_TOKENS = ("<|endoftext|>", "<|BOT|>", "<|EOT|>", "<audio_start>", "<audio_end>", "<audio_patch>",
+                "<tts_start>", "<tts_end>")
+TEXT_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=4096, max_seq_len=4096, rope_theta=1000000.0,
+                   rms_norm_eps=1e-6, vocab_size=VOCAB)
+ENCODER = AudioEncoderConfig(n_mels=128, n_audio_ctx=1500, n_audio_state=32, n_audio_head=4, n_audio_layer=2,
+                             llm_dim=TEXT_CONFIG["hidden_size"])
+
+
+def build_tokenizer():
+    """Byte-level BPE trained on the tiny corpus, then Step's added tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TEXT_VOCAB, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    tok.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    tok.add_special_tokens(list(ADDED_TOKENS))
+    return tok
+
+
+def lm_state_dict(seed: int, used_ids: int) -> dict[str, torch.Tensor]:
+    """A Qwen2ForCausalLM state dict (the official LM's names) at unit scale; head rows of unused ids zero."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**{k: v for k, v in TEXT_CONFIG.items() if k != "max_seq_len"}, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, p in model.state_dict().items():
+        if "norm" in name:
+            state[name] = torch.rand(p.shape, generator=g) * 0.5 + 0.75
+        elif "embed" in name:
+            state[name] = torch.randn(p.shape, generator=g)
+        elif p.ndim == 1:  # q/k/v biases
+            state[name] = torch.randn(p.shape, generator=g) * 0.1
+        else:
+            state[name] = torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5
+    head = state["lm_head.weight"]
+    head[used_ids:AUDIO_OFFSET] = 0.0
+    head[AUDIO_OFFSET + AUDIO_CODES:] = 0.0
+    return state
+
+
+def write_tiny_step_audio2(out: str | Path, seed: int = 0) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    tok.save(str(out / "tokenizer.json"))
+    weights = lm_state_dict(seed, tok.get_vocab_size())
+    with torch.random.fork_rng():
+        torch.manual_seed(seed + 1)
+        encoder = AudioEncoder(ENCODER)
+    perturb_default_inits(encoder, torch.Generator().manual_seed(seed + 2))
+    weights.update(encoder.state_dict())
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    config = {"architectures": ["StepAudio2ForCausalLM"], "model_type": "step_audio_2",
+              "text_config": TEXT_CONFIG, "audio_encoder_config": {**dataclasses.asdict(ENCODER),
+                                                                   "n_codebook_size": 4096}}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(write_tiny_step_audio2(args.out, args.seed))
+
+
+if __name__ == "__main__":
+    main()
