@@ -56,7 +56,12 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(checkpoint):
-    return StepAudio2(checkpoint)
+    from voxbackend.models import registry
+
+    assert registry.detect_kind(checkpoint).name == "step_audio2"
+    loaded = registry.load_model(checkpoint, None, "cpu", torch.float32)
+    assert isinstance(loaded, StepAudio2)
+    return loaded
 
 
 @pytest.fixture(scope="module")

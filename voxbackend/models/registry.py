@@ -17,6 +17,7 @@ from voxbackend.models.csm import model as csm
 from voxbackend.models.orpheus import model as orpheus
 from voxbackend.models.qwen3_tts import frontend as qwen3_tts_frontend
 from voxbackend.models.qwen3_tts import model as qwen3_tts_model
+from voxbackend.models.step_audio2 import model as step_audio2
 from voxbackend.tensor_spec import TensorSpec
 
 if TYPE_CHECKING:
@@ -93,6 +94,11 @@ KINDS: dict[str, ModelKind] = {k.name: k for k in (
         model=chatterbox_turbo.ChatterboxTurbo, frontend=chatterbox_turbo.ChatterboxTurboFrontend,
         tiny_checkpoint="voxbackend.models.chatterbox.tiny_turbo:ensure_default_chatterbox_turbo",
         served="Chatterbox-Turbo (GPT-2 medium T3 LM, S3Gen meanflow + HiFT 24 kHz, voice cloning)",
+    ),
+    ModelKind(
+        # not served through Triton yet: its LM runs in the engine (text and audio ids out), no speech out yet
+        name="step_audio2", detect=step_audio2.is_step_audio2_config, model=step_audio2.StepAudio2,
+        tiny_checkpoint="voxbackend.models.step_audio2.tiny:ensure_default_step_audio2",
     ),
     ModelKind(name="token_lm", detect=token_lm.is_token_lm_config, model=token_lm.TokenLM),
 )}

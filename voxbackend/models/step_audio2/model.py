@@ -29,6 +29,11 @@ MAX_CLIP_S = 60.0
 MAX_TOKENS = 4096  # upstream's cap for a spoken reply
 
 
+def is_step_audio2_config(hf_config: dict) -> bool:
+    """The official config.json nests the LM's and the audio encoder's settings."""
+    return "text_config" in hf_config and "audio_encoder_config" in hf_config
+
+
 class StepAudio2(SpeechModel):
     conditioning = (TensorSpec("AUDIO_ROWS", "FP32", (-1, -1), optional=True, arg="audio_rows",
                                doc="the audio encoder's rows for the prompt's placeholders, in prompt order"),)
@@ -37,7 +42,7 @@ class StepAudio2(SpeechModel):
                  dtype: torch.dtype = torch.float32, lm: bool = True):
         model_dir = Path(model_dir)
         hf = read_config(model_dir)
-        if "text_config" not in hf or "audio_encoder_config" not in hf:
+        if not is_step_audio2_config(hf):
             raise ValueError(f"{model_dir}/config.json has no text_config and audio_encoder_config: not Step-Audio 2")
         self.cfg = DecoderConfig.from_hf(hf["text_config"], family="qwen2")
         tokenizer_file = model_dir / "tokenizer.json"

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from voxbackend.models.checkpoint_cache import build_once, cache_root
 from voxbackend.models.step_audio2.audio_encoder import AudioEncoder, AudioEncoderConfig
 from voxbackend.models.tiny_tokenizer import CORPUS
 from voxbackend.models.tiny_weights import perturb_default_inits
@@ -92,6 +93,12 @@ def write_tiny_step_audio2(out: str | Path, seed: int = 0) -> Path:
                                                                    "n_codebook_size": 4096}}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def ensure_default_step_audio2(root: str | Path | None = None) -> tuple[Path, None]:
+    """(model_dir, None): the tiny Step-Audio 2, built once into `<VOXBACKEND_CACHE>-step_audio2`."""
+    root = cache_root("-step_audio2") if root is None else root
+    return build_once(root, lambda out: write_tiny_step_audio2(out / "step_audio2", seed=0)) / "step_audio2", None
 
 
 def main() -> None:
