@@ -123,7 +123,8 @@ def test_prompts_equal_the_upstream_template_and_its_tokenization(upstream, chec
         if text and "<|EOT|>" in text:
             continue  # upstream makes it a control id; here it stays text (below)
         ids, mels, patch = upstream_prompt(upstream, checkpoint, text, seconds, system, speak, seed)
-        prompt = model.prepare(text, audio=clip(seconds, seed) if seconds else None, system=system, speak=speak)
+        prompt = model.prepare(text, audio=clip(seconds, seed) if seconds else None, sample_rate=16000, system=system,
+                               speak=speak)
         assert prompt.ids == [FEATURE if i == patch else i for i in ids], seed
         if seconds:
             for mel, theirs in zip([piece_mel(clip(seconds, seed))], mels):
@@ -137,8 +138,8 @@ def test_greedy_replies_equal_the_composed_reference_alone_and_batched(upstream,
     expected = []
     prompts = []
     for seed, (text, seconds, system, speak) in enumerate(REQUESTS):
-        prompts.append(model.prepare(text, audio=clip(seconds, seed) if seconds else None, system=system,
-                                     speak=speak))
+        prompts.append(model.prepare(text, audio=clip(seconds, seed) if seconds else None, sample_rate=16000,
+                                     system=system, speak=speak))
         if text and "<|EOT|>" in text:  # upstream would make a control id of it: the reference takes ours
             ids = [i if i != FEATURE else -1 for i in prompts[-1].ids]
             mels, patch = [piece_mel(clip(seconds, seed))], -1
@@ -164,13 +165,47 @@ def test_greedy_replies_equal_the_composed_reference_alone_and_batched(upstream,
     assert model.audio_codes(reply) == [i - AUDIO_OFFSET for i in reply if i >= AUDIO_OFFSET]
 
 
+def test_a_conversation_equals_the_upstream_multi_turn_template(upstream, checkpoint, model):
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
+    first, second = clip(0.9, 7), clip(0.6, 8)
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "human", "content": [{"type": "text", "text": "What is this?"},
+                                              {"type": "audio", "audio": first}]},
+                {"role": "assistant", "content": "It is a tone, rising."},
+                {"role": "human", "content": [{"type": "audio", "audio": second}]},
+                {"role": "human", "content": "And now?"},
+                {"role": "assistant", "content": "<tts_start>", "eot": False}]
+    pieces, mels = upstream.StepAudio2.apply_chat_template(None, messages)
+    expected = [i for piece in pieces for i in tokenizer(text=piece)["input_ids"]]
+    patch = tokenizer.convert_tokens_to_ids("<audio_patch>")
+    prompt = model.prepare("And now?", system=SYSTEM, history=[
+        {"role": "user", "text": "What is this?", "audio": first, "sample_rate": 16000},
+        {"role": "assistant", "text": "It is a tone, rising."},
+        {"role": "user", "text": "", "audio": second, "sample_rate": 16000}])
+    assert prompt.ids == [FEATURE if i == patch else i for i in expected]
+    assert prompt.conditioning["audio_rows"].shape[0] == expected.count(patch) and len(mels) == 2
+
+
 def test_bad_requests_are_refused_naming_the_field(model):
-    with pytest.raises(InvalidRequest, match="give text, audio or both") as e:
-        model.prepare(None)
-    assert e.value.field == "text"
-    with pytest.raises(InvalidRequest, match="limit is 60 s") as e:
-        model.prepare(audio=np.zeros(61 * 16000, np.float32))
-    assert e.value.field == "audio"
-    with pytest.raises(InvalidRequest, match="non-empty mono") as e:
-        model.prepare(audio=np.zeros((2, 100), np.float32))
-    assert e.value.field == "audio"
+    def refused(match: str, field: str, *args, **kwargs) -> None:
+        with pytest.raises(InvalidRequest, match=match) as e:
+            model.prepare(*args, **kwargs)
+        assert e.value.field == field, (e.value.field, field)
+
+    refused("give text, audio or both", "text", None)
+    refused("is empty", "audio", audio=b"")
+    refused("not a readable audio file", "audio", audio=b"RIFF not really a wav")
+    refused("limit is 60 s", "audio", audio=np.zeros(61 * 16000, np.float32), sample_rate=16000)
+    refused("raw samples need a sample_rate", "audio", audio=np.zeros(1600, np.float32))
+    user = {"role": "user", "text": "hi"}
+    refused("history has 33 turns; the limit is 32", "history", "hello", history=[user] * 33)
+    refused("role must be user or assistant", "history[0].role", "hello", history=[{"role": "robot", "text": "x"}])
+    refused("an assistant turn is given by its text", "history[1].audio", "hello",
+            history=[user, {"role": "assistant", "text": "hm", "audio": np.zeros(160, np.float32)}])
+    refused("give history\\[0\\].text, history\\[0\\].audio or both", "history[0].text", "hello",
+            history=[{"role": "user", "text": ""}])
+    refused("unknown keys", "history[0]", "hello", history=[{"role": "user", "txt": "x"}])
+    long = {"role": "user", "audio": np.zeros(50 * 16000, np.float32), "sample_rate": 16000}
+    refused("audio is 200 s in all; the limit is 180 s", "history", "hello", history=[long] * 4)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from voxbackend.audio_io import read_audio
 from voxbackend.errors import InvalidRequest
 from voxbackend.models.base import ModelSpec, Prompt, PromptFeatures, SpeechModel
 from voxbackend.models.checkpoint import load_safetensors, read_config
@@ -25,7 +26,9 @@ from voxbackend.tensor_spec import TensorSpec
 
 AUDIO_OFFSET = 151696  # the first audio id: S3 code 0 of CosyVoice2's 6561-code tokenizer
 AUDIO_CODES = 6561
-MAX_CLIP_S = 60.0
+MAX_CLIP_S = 60.0  # one clip (the user's turn, or one turn of the history)
+MAX_AUDIO_S = 180.0  # all of a request's clips together
+MAX_HISTORY_TURNS = 32
 MAX_TOKENS = 4096  # upstream's cap for a spoken reply
 
 
@@ -35,6 +38,17 @@ def is_step_audio2_config(hf_config: dict) -> bool:
 
 
 class StepAudio2(SpeechModel):
+    request_inputs = (
+        TensorSpec("AUDIO", "STRING", optional=True, arg="audio", kind="audio",
+                   doc="the user's spoken turn: a WAV/FLAC/OGG clip of at most 60 s (any rate: resampled to 16 kHz)"),
+        TensorSpec("SYSTEM_PROMPT", "STRING", optional=True, arg="system", doc="the system prompt (none if absent)"),
+        TensorSpec("HISTORY_ROLE", "STRING", (-1,), optional=True, arg="role", segment="history",
+                   doc="earlier turns, oldest first: user or assistant, one per turn"),
+        TensorSpec("HISTORY_TEXT", "STRING", (-1,), optional=True, arg="text", segment="history",
+                   doc="each earlier turn's text (an assistant turn: what it said); empty for none"),
+        TensorSpec("HISTORY_AUDIO", "STRING", (-1,), optional=True, arg="audio", segment="history", kind="audio",
+                   doc="each earlier user turn's clip (WAV/FLAC/OGG bytes; empty for none)"),
+    )
     conditioning = (TensorSpec("AUDIO_ROWS", "FP32", (-1, -1), optional=True, arg="audio_rows",
                                doc="the audio encoder's rows for the prompt's placeholders, in prompt order"),)
 
@@ -56,34 +70,61 @@ class StepAudio2(SpeechModel):
         if lm:
             self.backbone = build_decoder(self.cfg, weights, device, dtype)
 
-    def prepare(self, text: str | None = None, voice: str | None = None, *, audio: np.ndarray | None = None,
-                system: str | None = None, speak: bool = True) -> Prompt:
-        """One user turn (its text, its 16 kHz clip, or both) after an optional system prompt; the assistant's
-        turn is opened for a spoken reply (`speak`) or a text one."""
-        content: list = []
-        if text:
-            content.append(self.check_text(text))
-        if audio is not None:
-            audio = np.asarray(audio, dtype=np.float32)
-            if audio.ndim != 1 or audio.size == 0:
-                raise InvalidRequest("audio must be a non-empty mono clip", field="audio")
-            if audio.size > MAX_CLIP_S * SAMPLE_RATE:
-                raise InvalidRequest(f"audio is {audio.size / SAMPLE_RATE:.1f} s; the limit is {MAX_CLIP_S:.0f} s",
-                                     field="audio")
-            content.append(audio)
-        if not content:
-            raise InvalidRequest("give text, audio or both", field="text")
-        turns = [Turn("system", self.check_text(system, "system"))] if system else []
-        turns += [Turn("user", content), Turn("assistant", [[self.template.tts_start]] if speak else [], ends=False)]
+    def prepare(self, text: str | None = None, voice: str | None = None, *, audio=None, sample_rate: int | None = None,
+                system: str | None = None, history: list[dict] | None = None, speak: bool = True) -> Prompt:
+        """The user's turn (text, a clip, or both) after an optional system prompt and earlier turns; the
+        assistant's turn is opened for a spoken reply (`speak`) or a text one. `audio`: file bytes, or float samples
+        at `sample_rate`. `history`: [{"role": "user" | "assistant", "text": ..., "audio": ..., "sample_rate": ...}],
+        oldest first; an assistant turn is given by its text (what it said)."""
+        turns = [Turn("system", self.check_text(system, "system"))] if system is not None else []
+        history = [] if history is None else history
+        if len(history) > MAX_HISTORY_TURNS:
+            raise InvalidRequest(f"history has {len(history)} turns; the limit is {MAX_HISTORY_TURNS}",
+                                 field="history")
+        for i, turn in enumerate(history):
+            turns.append(self._history_turn(turn, f"history[{i}]"))
+        turns.append(Turn("user", self._user_content(text, audio, sample_rate, "text", "audio")))
+        turns.append(Turn("assistant", [[self.template.tts_start]] if speak else [], ends=False))
         chat = self.template.render(turns)
+        clips_s = sum(m.shape[-1] for m in chat.mels) * 160 / SAMPLE_RATE
+        if clips_s > MAX_AUDIO_S:
+            raise InvalidRequest(f"the request's audio is {clips_s:.0f} s in all; the limit is {MAX_AUDIO_S:.0f} s",
+                                 field="history" if history else "audio")
         if len(chat.ids) >= self.spec.geometry.max_context:
             raise InvalidRequest(f"prompt is {len(chat.ids)} tokens; the model's context is "
-                                 f"{self.spec.geometry.max_context}", field="text")
+                                 f"{self.spec.geometry.max_context}", field="history" if history else "text")
         conditioning = {}
         if chat.mels:
-            rows = torch.cat(self.audio_encoder(chat.mels))
-            conditioning["audio_rows"] = rows.float().cpu().numpy()
+            conditioning["audio_rows"] = torch.cat(self.audio_encoder(chat.mels)).float().cpu().numpy()
         return Prompt(chat.ids, conditioning)
+
+    def _user_content(self, text, audio, sample_rate, text_field: str, audio_field: str) -> list:
+        content: list = []
+        if text is not None and text != "":
+            content.append(self.check_text(text, text_field))
+        if audio is not None:
+            content.append(read_audio(audio, sample_rate, SAMPLE_RATE, max_seconds=MAX_CLIP_S, field=audio_field))
+        if not content:
+            raise InvalidRequest(f"give {text_field}, {audio_field} or both", field=text_field)
+        return content
+
+    def _history_turn(self, turn, field: str) -> Turn:
+        if not isinstance(turn, dict):
+            raise InvalidRequest(f"{field} must be a dict, got {type(turn).__name__}", field=field)
+        unknown = set(turn) - {"role", "text", "audio", "sample_rate"}
+        if unknown:
+            raise InvalidRequest(f"{field} has unknown keys {sorted(unknown)}", field=field)
+        role = turn.get("role")
+        audio = turn.get("audio")
+        audio = None if audio is None or len(audio) == 0 else audio  # an empty HISTORY_AUDIO element: no clip
+        if role == "user":
+            return Turn("user", self._user_content(turn.get("text"), audio, turn.get("sample_rate"),
+                                                   f"{field}.text", f"{field}.audio"))
+        if role == "assistant":
+            if audio is not None:
+                raise InvalidRequest(f"{field}.audio: an assistant turn is given by its text", field=f"{field}.audio")
+            return Turn("assistant", self.check_text(turn.get("text"), f"{field}.text"))
+        raise InvalidRequest(f"{field}.role must be user or assistant, got {role!r}", field=f"{field}.role")
 
     def prompt_features(self, conditioning: dict[str, np.ndarray]) -> np.ndarray | None:
         return conditioning.get("audio_rows")
