@@ -40,7 +40,7 @@ def is_step_audio2_config(hf_config: dict) -> bool:
 class StepAudio2(SpeechModel):
     request_inputs = (
         TensorSpec("INPUT_AUDIO", "STRING", optional=True, arg="audio", kind="audio",
-                   doc="the user's spoken turn: a WAV/FLAC/OGG clip of at most 60 s (any rate; AUDIO is the reply)"),
+                   doc="the user's spoken turn: a WAV/FLAC/OGG clip of at most 60 s (any rate: resampled to 16 kHz)"),
         TensorSpec("SYSTEM_PROMPT", "STRING", optional=True, arg="system", doc="the system prompt (none if absent)"),
         TensorSpec("HISTORY_ROLE", "STRING", (-1,), optional=True, arg="role", segment="history",
                    doc="earlier turns, oldest first: user or assistant, one per turn"),
