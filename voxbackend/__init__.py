@@ -13,8 +13,8 @@ def load(model_dir: str | Path, codec_dir: str | Path | None = None, model: str 
     """Load a checkpoint folder (config.json + safetensors + tokenizer.json) and build an engine (not started).
 
     `model` forces the model kind (a voxbackend.models.registry.KINDS name: "orpheus", "csm", "qwen3_tts",
-    "cosyvoice2", "chatterbox", "chatterbox_turbo", "step_audio2", "token_lm"); by default config.json decides. Other keyword arguments are
-    EngineConfig fields.
+    "cosyvoice2", "chatterbox", "chatterbox_turbo", "step_audio2", "token_lm"); by default config.json decides.
+    Other keyword arguments are EngineConfig fields.
     """
     from voxbackend.engine.engine import Engine
     from voxbackend.models.registry import load_model
