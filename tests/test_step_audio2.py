@@ -24,6 +24,7 @@ from voxbackend import SamplingParams
 from voxbackend.config import EngineConfig
 from voxbackend.engine.engine import Engine
 from voxbackend.errors import InvalidRequest
+from voxbackend.events import EventKind
 from voxbackend.models.base import FEATURE
 from voxbackend.models.checkpoint import load_safetensors, read_config
 from voxbackend.models.step_audio2.audio_encoder import piece_mel
@@ -135,6 +136,8 @@ def test_prompts_equal_the_upstream_template_and_its_tokenization(upstream, chec
 
 
 def test_greedy_replies_equal_the_composed_reference_alone_and_batched(upstream, checkpoint, model):
+    from transformers import PreTrainedTokenizerFast
+
     expected = []
     prompts = []
     for seed, (text, seconds, system, speak) in enumerate(REQUESTS):
@@ -151,18 +154,31 @@ def test_greedy_replies_equal_the_composed_reference_alone_and_batched(upstream,
     alone = [engine.generate_ids([p], greedy)[0] for p in prompts]
     assert alone == expected
     done: dict[str, list[int]] = {}
+    texts: dict[str, list[str]] = {}
+
+    def on_event(e) -> None:
+        if e.kind is EventKind.TEXT:
+            texts.setdefault(e.request_id, []).append(e.text)
+        elif e.final:
+            done[e.request_id] = e.token_ids
+
     ids = []
     for p in prompts:  # each arrives while the earlier ones are decoding
-        ids.append(engine.submit(p, greedy, lambda e: done.__setitem__(e.request_id, e.token_ids) if e.final else None,
-                                 streaming=False))
+        ids.append(engine.submit(p, greedy, on_event, streaming=False))
         engine.step()
         engine.step()
     while len(done) < len(ids):
         engine.step()
     assert [done[i] for i in ids] == expected
     assert engine.pool.used_pages == 0
-    reply = expected[0]
-    assert model.audio_codes(reply) == [i - AUDIO_OFFSET for i in reply if i >= AUDIO_OFFSET]
+    # the reply's text, as TEXT events in pieces: what the reference's text ids (below the control ids) decode to
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
+    first_control = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    for rid, reply in zip(ids, expected):
+        said = tokenizer.decode([i for i in reply if i < first_control])
+        assert "".join(texts.get(rid, [])) == said
+    assert any(len(texts.get(rid, [])) > 1 for rid in ids), "text comes in pieces as it is generated"
+    assert any(i >= AUDIO_OFFSET for reply in expected for i in reply), "the tiny model says audio ids too"
 
 
 def test_a_conversation_equals_the_upstream_multi_turn_template(upstream, checkpoint, model):
@@ -209,3 +225,20 @@ def test_bad_requests_are_refused_naming_the_field(model):
     refused("unknown keys", "history[0]", "hello", history=[{"role": "user", "txt": "x"}])
     long = {"role": "user", "audio": np.zeros(50 * 16000, np.float32), "sample_rate": 16000}
     refused("audio is 200 s in all; the limit is 180 s", "history", "hello", history=[long] * 4)
+
+
+def test_a_character_split_across_ids_waits_for_its_last_byte(model):
+    """Byte-level ids: "é" is two of them; the first alone decodes to U+FFFD, which is not sent."""
+    from voxbackend.engine.output import Output
+    from voxbackend.request import Request
+
+    events = []
+    r = Request("r", [1], SamplingParams(), events.append, 0.0)
+    output = Output(model, None, None, None, None, None, None, [])
+    ids = model.template.text.encode("caf") + model.template.text.encode("é")
+    assert len(model.template.text.encode("é")) == 2
+    for i in ids:
+        r.lm.text_ids.append(i)
+        output._send_text(r, final=False)
+    assert "".join(e.text for e in events) == "café" and len(events) == len(ids) - 1, [e.text for e in events]
+    assert all("\ufffd" not in e.text for e in events)

@@ -29,6 +29,8 @@ class LMState:
     preemptions: int = 0
     skipped_steps: int = 0  # consecutive steps passed over by the policy (ageing prevents starvation)
     finish_reason: str | None = None  # set when the LM is done with it ("stop", "length")
+    text_ids: list[int] = field(default_factory=list)  # text_output models: the reply's text ids so far
+    text_sent: int = 0  # characters of their text already sent
 
 
 @dataclass(slots=True)

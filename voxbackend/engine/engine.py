@@ -182,7 +182,7 @@ class Engine:
                     yield e.audio
                 elif e.kind is EventKind.ERROR:
                     raise RuntimeError(e.error)
-                else:
+                elif e.final:
                     return
         finally:
             self.cancel(rid)  # a consumer that stops early frees the request; harmless once finished

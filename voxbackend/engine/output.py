@@ -38,6 +38,9 @@ class Output:
         for r, step in sampled:
             r.lm.output_ids.append(step)
             r.codec.codes.extend(self.model.codes_from_step(step, len(r.codec.codes)))
+            if self.model.text_output and self.model.is_text_id(step):
+                r.lm.text_ids.append(step)
+                self._send_text(r, final=False)
             if self.model.ends(step, r.lm.track):
                 self._lm_finished(r, "stop")
             elif len(r.lm.output_ids) >= min(r.sampling.max_tokens,
@@ -55,8 +58,18 @@ class Output:
             r.lm.input_rows.extend(rows)
             r.lm.awaiting_input = False
 
+    def _send_text(self, r: Request, final: bool) -> None:
+        """The reply's new characters. A byte-level tokenizer may split a character across ids: its text then ends
+        in U+FFFD until the rest arrives, so that piece waits (unless the reply has ended)."""
+        text = self.model.decode_text(r.lm.text_ids)
+        if len(text) > r.lm.text_sent and (final or not text.endswith("\ufffd")):
+            self._deliver(r, Event(r.id, EventKind.TEXT, index=r.playback.chunks_sent, text=text[r.lm.text_sent:]))
+            r.lm.text_sent = len(text)
+
     def _lm_finished(self, r: Request, reason: str) -> None:
         r.lm.finish_reason = reason
+        if self.model.text_output:
+            self._send_text(r, final=True)
         self.inbox.close_text(r.id)  # the utterance has ended
         self.admission.release(r)  # pages go back now, not after detokenization
         self.runner.release(r)

@@ -299,6 +299,17 @@ class SpeechModel:
         ends the request ("length") at the smaller of it and the request's max_tokens."""
         return None
 
+    # --- text out (a model that answers in text and speech: Step-Audio 2) ---
+    text_output: bool = False  # the engine sends the reply's text as TEXT events, in order with the audio
+
+    def is_text_id(self, step: int) -> bool:
+        """text_output: whether a generated id is part of the reply's text (not audio, control or stop)."""
+        return False
+
+    def decode_text(self, ids: list[int]) -> str:
+        """text_output: the text of the reply's text ids."""
+        raise NotImplementedError
+
     def codes_from_step(self, step: int | list[int], codes_so_far: int) -> list[int]:
         """The codec codes one generated step contributes (empty for text, control or stop tokens)."""
         return []

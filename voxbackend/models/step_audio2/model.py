@@ -2,9 +2,9 @@
 placeholder rows) and answers with text ids interleaved with audio ids (S3 codes from AUDIO_OFFSET), ending at
 `<|EOT|>`.
 
-So far the model serves its LM (text and audio ids out, through the engine's FEATURE rows): speaking the audio ids
-(token2wav), the text as its own response field, and the Triton contract are still to come. The audio encoder runs
-in prepare(), one request at a time (where a preprocess model would run it).
+So far the model serves its LM through the engine (the audio rows at its FEATURE rows; the reply's text as TEXT
+events, its audio ids as codec codes): speaking the codes (token2wav) and serving it through Triton are still to
+come. The audio encoder runs in prepare(), one request at a time (where a preprocess model would run it).
 """
 from __future__ import annotations
 
@@ -142,12 +142,14 @@ class StepAudio2(SpeechModel):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.backbone.logits(hidden)
 
-    @staticmethod
-    def audio_codes(ids: list[int]) -> list[int]:
-        """The S3 codes among a reply's ids."""
-        return [i - AUDIO_OFFSET for i in ids if AUDIO_OFFSET <= i < AUDIO_OFFSET + AUDIO_CODES]
+    # --- the reply: text ids (said as TEXT events) and audio ids (S3 codes for the codec), interleaved ---
+    text_output = True
 
-    def reply_text(self, ids: list[int]) -> str:
-        """The text among a reply's ids (control and audio ids left out)."""
-        first_control = self.template.text.first_added_id
-        return self.template.text.decode([i for i in ids if i < first_control])
+    def is_text_id(self, step: int) -> bool:
+        return step < self.template.text.first_added_id  # control ids (<|EOT|>, <tts_start>, ...) and audio ids not
+
+    def decode_text(self, ids: list[int]) -> str:
+        return self.template.text.decode(ids)
+
+    def codes_from_step(self, step: int, codes_so_far: int) -> list[int]:
+        return [step - AUDIO_OFFSET] if AUDIO_OFFSET <= step < AUDIO_OFFSET + AUDIO_CODES else []

@@ -8,7 +8,8 @@ DIR/tokenizer.json: a toy byte-level BPE plus Step's chat and audio tokens. The 
 and the audio tokens' place (6561 S3 codes from id 151696), so the tiny LM can say text and audio ids alike.
 
 Weights are at unit scale, so greedy decoding does not meet near-ties that float rounding could flip. The head's
-rows of ids the toy vocabulary leaves unused are zero (so they are never picked over the spread of the real ones).
+rows of ids the toy vocabulary leaves unused are zero (so they are never picked over the spread of the real ones),
+and its text rows are scaled up so that replies mix text and audio ids.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ AUDIO_OFFSET = 151696  # the first audio id (S3 code 0)
 AUDIO_CODES = 6561
 VOCAB = 158720
 TEXT_VOCAB = 1024  # the toy BPE's ids, then the added tokens below
+# the text rows of the head, scaled up: 1024 text ids against 6561 audio ids would leave a reply almost all audio
+TEXT_HEAD_SCALE = 1.4
 ADDED_TOKENS = ("<|endoftext|>", "<|BOT|>", "<|EOT|>", "<audio_start>", "<audio_end>", "<audio_patch>",
                 "<tts_start>", "<tts_end>")
 TEXT_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -71,6 +74,7 @@ def lm_state_dict(seed: int, used_ids: int) -> dict[str, torch.Tensor]:
         else:
             state[name] = torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5
     head = state["lm_head.weight"]
+    head[:TEXT_VOCAB] *= TEXT_HEAD_SCALE
     head[used_ids:AUDIO_OFFSET] = 0.0
     head[AUDIO_OFFSET + AUDIO_CODES:] = 0.0
     return state
