@@ -130,7 +130,8 @@ def test_prompts_equal_the_upstream_template_and_its_tokenization(upstream, chec
         if seconds:
             for mel, theirs in zip([piece_mel(clip(seconds, seed))], mels):
                 torch.testing.assert_close(mel, theirs, atol=1e-5, rtol=1e-5)
-            assert prompt.conditioning["audio_rows"].shape == (ids.count(patch), 64)
+            torch.testing.assert_close(torch.from_numpy(prompt.conditioning["audio_mels"]), torch.cat(mels, dim=1))
+            assert model.feature_count(prompt.conditioning) == ids.count(patch)
     spelled = model.prepare("say <|EOT|> now")
     assert spelled.ids.count(model.template.eot) == 1, "text that spells a control token stays text"
 
@@ -171,6 +172,15 @@ def test_greedy_replies_equal_the_composed_reference_alone_and_batched(upstream,
         engine.step()
     assert [done[i] for i in ids] == expected
     assert engine.pool.used_pages == 0
+    # submitted together: the audio encoder runs once for the three requests with audio, on the engine thread
+    calls = []
+    encode = model.encode_features
+    model.encode_features = lambda conds: calls.append(len(conds)) or encode(conds)
+    try:
+        assert engine.generate_ids(prompts, greedy) == expected
+    finally:
+        del model.encode_features
+    assert calls == [3]
     # the reply's text, as TEXT events in pieces: what the reference's text ids (below the control ids) decode to
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
     first_control = tokenizer.convert_tokens_to_ids("<|endoftext|>")
@@ -201,7 +211,8 @@ def test_a_conversation_equals_the_upstream_multi_turn_template(upstream, checkp
         {"role": "assistant", "text": "It is a tone, rising."},
         {"role": "user", "text": "", "audio": second, "sample_rate": 16000}])
     assert prompt.ids == [FEATURE if i == patch else i for i in expected]
-    assert prompt.conditioning["audio_rows"].shape[0] == expected.count(patch) and len(mels) == 2
+    assert model.feature_count(prompt.conditioning) == expected.count(patch) and len(mels) == 2
+    assert prompt.conditioning["audio_mel_frames"].tolist() == [m.shape[1] for m in mels]
 
 
 def test_bad_requests_are_refused_naming_the_field(model):
@@ -223,6 +234,12 @@ def test_bad_requests_are_refused_naming_the_field(model):
     refused("give history\\[0\\].text, history\\[0\\].audio or both", "history[0].text", "hello",
             history=[{"role": "user", "text": ""}])
     refused("unknown keys", "history[0]", "hello", history=[{"role": "user", "txt": "x"}])
+    engine = Engine(model, EngineConfig(kv_pages=64, page_size=4))
+    prompt = model.prepare("hello", audio=clip(0.5, 1), sample_rate=16000)
+    prompt.conditioning["audio_mel_frames"] = prompt.conditioning["audio_mel_frames"] + 1
+    with pytest.raises(InvalidRequest, match="AUDIO_MEL_FRAMES must give each piece's frames") as e:
+        engine.submit(prompt)
+    assert e.value.field == "audio_mel_frames"
     long = {"role": "user", "audio": np.zeros(50 * 16000, np.float32), "sample_rate": 16000}
     refused("audio is 200 s in all; the limit is 180 s", "history", "hello", history=[long] * 4)
 
@@ -242,3 +259,25 @@ def test_a_character_split_across_ids_waits_for_its_last_byte(model):
         output._send_text(r, final=False)
     assert "".join(e.text for e in events) == "café" and len(events) == len(ids) - 1, [e.text for e in events]
     assert all("\ufffd" not in e.text for e in events)
+
+
+def test_an_encoder_failure_ends_only_the_requests_it_held(model):
+    engine = Engine(model, EngineConfig(kv_pages=64, page_size=4))
+    finals = {}
+
+    def broken(conds):
+        raise RuntimeError("device lost")
+
+    model.encode_features = broken
+    try:
+        with_audio = engine.submit(model.prepare("hi", audio=clip(0.4, 2), sample_rate=16000),
+                                   SamplingParams(temperature=0, max_tokens=4), lambda e: e.final and finals.update(
+                                       {e.request_id: e}), streaming=False)
+        text_only = engine.submit(model.prepare("hello"), SamplingParams(temperature=0, max_tokens=4),
+                                  lambda e: e.final and finals.update({e.request_id: e}), streaming=False)
+        while len(finals) < 2:
+            engine.step()
+    finally:
+        del model.encode_features
+    assert finals[with_audio].kind is EventKind.ERROR and "device lost" in finals[with_audio].error
+    assert finals[text_only].kind is EventKind.FINISHED and engine.alive and engine.pool.used_pages == 0

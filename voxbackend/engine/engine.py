@@ -225,6 +225,7 @@ class Engine:
             for r in self.running:
                 r.codec.ready_windows = self.detokenizer.ready(r)
         self.admission.admit(now)
+        self._encode_features()
         lm = self.scheduler.schedule_lm(self.running, now)
         try:
             lm = self.admission.grow(lm, now)
@@ -245,6 +246,23 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - a step failure must not kill other requests' streams
             return self._step_failed(exc, lm)
         return bool(lm or detok or self.waiting or any(r.lm.preempted for r in self.running))
+
+    @torch.inference_mode()
+    def _encode_features(self) -> None:
+        """engine_features models: the FEATURE vectors of the requests admitted since the last step, in one call (a
+        preempted request keeps its own). A failure ends those requests only."""
+        pending = [r for r in self.running if r.feature_positions and r.features is None]
+        if not pending:
+            return
+        try:
+            vectors = self.model.encode_features([r.conditioning for r in pending])
+        except Exception as exc:  # noqa: BLE001 - their input, or the device: not the other streams' problem
+            log.exception("encoding prompt features failed")
+            for r in pending:
+                self.output.finish(r, error=f"encoding the request's audio failed: {exc}")
+            return
+        for r, v in zip(pending, vectors):
+            r.features = v.to(self.config.torch_dtype)
 
     def _step_failed(self, exc: Exception, lm: list[tuple[Request, int]]) -> bool:
         log.exception("engine step failed")

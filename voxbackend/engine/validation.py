@@ -128,12 +128,15 @@ class RequestValidator:
     def _check_features(self, prompt: list, conditioning: dict) -> tuple[list[int], torch.Tensor | None]:
         """The FEATURE rows of a checked prompt and their vectors from the model, one per row, on the device."""
         positions = np.flatnonzero(feature_mask(np.asarray(prompt))).tolist()
-        features = self.model.prompt_features(conditioning)
-        count = 0 if features is None else len(features)
+        if self.model.engine_features:  # the engine computes them once the request is admitted (Engine.step)
+            features, count = None, self.model.feature_count(conditioning)
+        else:
+            features = self.model.prompt_features(conditioning)
+            count = 0 if features is None else len(features)
         if count != len(positions):
             raise InvalidRequest(f"the prompt has {len(positions)} feature rows; the request's conditioning gives "
                                  f"{count} feature vectors", field="prompt_ids")
         if features is None:
-            return [], None
+            return positions, None
         vectors = torch.as_tensor(np.asarray(features, dtype=np.float32), device=self.config.device)
         return positions, vectors.to(self.config.torch_dtype)

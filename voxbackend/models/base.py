@@ -242,6 +242,20 @@ class SpeechModel:
         None: the model takes none. Raises InvalidRequest naming the field. Runs at submission."""
         return None
 
+    # The FEATURE vectors of an audio encoder: computed on the engine thread (on the engine's device), in one batch
+    # for the requests admitted together, rather than at submit; the model counts a request's rows at submit.
+    # Not with guidance.
+    engine_features: bool = False
+
+    def feature_count(self, conditioning: dict[str, np.ndarray]) -> int:
+        """engine_features: how many FEATURE rows a request's checked conditioning fills. Raises InvalidRequest naming
+        the field. Runs at submission."""
+        raise NotImplementedError
+
+    def encode_features(self, conditionings: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
+        """engine_features: each request's FEATURE vectors [feature_count, hidden], on the model's device."""
+        raise NotImplementedError
+
     def unconditioned_prompt(self, prompt: list) -> list:
         """spec.guidance: the unconditioned row's prompt positions, one per position of the checked prompt (after
         split_prompt; FEATURE rows where the prompt has them). By default the same."""

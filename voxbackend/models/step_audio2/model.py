@@ -4,7 +4,8 @@ placeholder rows) and answers with text ids interleaved with audio ids (S3 codes
 
 So far the model serves its LM through the engine (the audio rows at its FEATURE rows; the reply's text as TEXT
 events, its audio ids as codec codes): speaking the codes (token2wav) and serving it through Triton are still to
-come. The audio encoder runs in prepare(), one request at a time (where a preprocess model would run it).
+come. prepare() (the preprocess) only cuts the clips into 25 s pieces and computes their spectrograms; the audio
+encoder runs in the engine, on its device, in one batch for the requests admitted together (engine_features).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from voxbackend.errors import InvalidRequest
 from voxbackend.models.base import ModelSpec, Prompt, PromptFeatures, SpeechModel
 from voxbackend.models.checkpoint import load_safetensors, read_config
 from voxbackend.models.decoder import DecoderConfig, build_decoder
-from voxbackend.models.step_audio2.audio_encoder import SAMPLE_RATE, load_audio_encoder
+from voxbackend.models.step_audio2.audio_encoder import SAMPLE_RATE, load_audio_encoder, placeholder_count
 from voxbackend.models.step_audio2.chat import ChatTemplate, Turn
 from voxbackend.sampling_params import SamplingParams
 from voxbackend.tensor_spec import TensorSpec
@@ -29,6 +30,9 @@ AUDIO_CODES = 6561
 MAX_CLIP_S = 60.0  # one clip (the user's turn, or one turn of the history)
 MAX_AUDIO_S = 180.0  # all of a request's clips together
 MAX_HISTORY_TURNS = 32
+N_MELS = 128
+MIN_PIECE_FRAMES = 3  # the 2 tail-pad frames and one of audio: 1 placeholder row
+ENCODER_BATCH = 16  # audio pieces (up to 25 s each) per encoder call
 MAX_TOKENS = 4096  # upstream's cap for a spoken reply
 
 
@@ -49,8 +53,14 @@ class StepAudio2(SpeechModel):
         TensorSpec("HISTORY_AUDIO", "STRING", (-1,), optional=True, arg="audio", segment="history", kind="audio",
                    doc="each earlier user turn's clip (WAV/FLAC/OGG bytes; empty for none)"),
     )
-    conditioning = (TensorSpec("AUDIO_ROWS", "FP32", (-1, -1), optional=True, arg="audio_rows",
-                               doc="the audio encoder's rows for the prompt's placeholders, in prompt order"),)
+    # the prompt's clips as spectrograms, for the audio encoder in the engine (engine_features)
+    conditioning = (
+        TensorSpec("AUDIO_MELS", "FP32", (N_MELS, -1), optional=True, arg="audio_mels",
+                   doc="the log-mel spectrograms of the prompt's audio pieces, one after another in time"),
+        TensorSpec("AUDIO_MEL_FRAMES", "INT32", (-1,), optional=True, arg="audio_mel_frames",
+                   doc="each piece's frames in AUDIO_MELS, in prompt order"),
+    )
+    engine_features = True
 
     def __init__(self, model_dir: str | Path, codec_dir: str | Path | None = None, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, lm: bool = True):
@@ -95,7 +105,8 @@ class StepAudio2(SpeechModel):
                                  f"{self.spec.geometry.max_context}", field="history" if history else "text")
         conditioning = {}
         if chat.mels:
-            conditioning["audio_rows"] = torch.cat(self.audio_encoder(chat.mels)).float().cpu().numpy()
+            conditioning["audio_mels"] = torch.cat(chat.mels, dim=1).numpy()
+            conditioning["audio_mel_frames"] = np.array([m.shape[-1] for m in chat.mels], np.int32)
         return Prompt(chat.ids, conditioning)
 
     def _user_content(self, text, audio, sample_rate, text_field: str, audio_field: str) -> list:
@@ -126,8 +137,34 @@ class StepAudio2(SpeechModel):
             return Turn("assistant", self.check_text(turn.get("text"), f"{field}.text"))
         raise InvalidRequest(f"{field}.role must be user or assistant, got {role!r}", field=f"{field}.role")
 
-    def prompt_features(self, conditioning: dict[str, np.ndarray]) -> np.ndarray | None:
-        return conditioning.get("audio_rows")
+    def feature_count(self, conditioning: dict[str, np.ndarray]) -> int:
+        frames = conditioning.get("audio_mel_frames")
+        mels = conditioning.get("audio_mels")
+        if frames is None and mels is None:
+            return 0
+        if frames is None or mels is None or frames.sum() != mels.shape[1] or (frames < MIN_PIECE_FRAMES).any():
+            raise InvalidRequest("AUDIO_MEL_FRAMES must give each piece's frames (at least "
+                                 f"{MIN_PIECE_FRAMES}) in AUDIO_MELS", field="audio_mel_frames")
+        return sum(placeholder_count(int(f)) for f in frames)
+
+    @torch.inference_mode()
+    def encode_features(self, conditionings: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
+        """Every piece of every request through the audio encoder, ENCODER_BATCH pieces a call."""
+        pieces: list[torch.Tensor] = []
+        counts: list[int] = []  # pieces per request
+        for cond in conditionings:
+            frames = [int(f) for f in cond.get("audio_mel_frames", ())]
+            if frames:
+                pieces += torch.split(torch.from_numpy(np.asarray(cond["audio_mels"], np.float32)), frames, dim=1)
+            counts.append(len(frames))
+        rows: list[torch.Tensor] = []
+        for k in range(0, len(pieces), ENCODER_BATCH):
+            rows += self.audio_encoder(pieces[k:k + ENCODER_BATCH])
+        out, k = [], 0
+        for n in counts:
+            out.append(torch.cat(rows[k:k + n]) if n else torch.zeros(0, self.cfg.hidden_size))
+            k += n
+        return out
 
     def default_sampling(self) -> SamplingParams:
         return SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.05, max_tokens=MAX_TOKENS)
