@@ -1,2 +1,3 @@
-"""Step-Audio 2 mini (speech in, text and speech out). Not served yet: so far its audio encoder and adapter
-(audio_encoder.py), which turn a user's clip into the LM's prompt rows."""
+"""Step-Audio 2 mini (speech in, text and speech out): the audio encoder (audio_encoder.py), the chat template
+(chat.py), the LM with text out (model.py) and the tiny checkpoint (tiny.py). Not served through Triton yet: it has
+no speech out (token2wav) so far."""

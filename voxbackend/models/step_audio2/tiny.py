@@ -23,11 +23,10 @@ from safetensors.torch import save_file
 
 from voxbackend.models.checkpoint_cache import build_once, cache_root
 from voxbackend.models.step_audio2.audio_encoder import AudioEncoder, AudioEncoderConfig
+from voxbackend.models.step_audio2.model import AUDIO_CODES, AUDIO_OFFSET
 from voxbackend.models.tiny_tokenizer import CORPUS
 from voxbackend.models.tiny_weights import perturb_default_inits
 
-AUDIO_OFFSET = 151696  # the first audio id (S3 code 0)
-AUDIO_CODES = 6561
 VOCAB = 158720
 TEXT_VOCAB = 1024  # the toy BPE's ids, then the added tokens below
 # the text rows of the head, scaled up: 1024 text ids against 6561 audio ids would leave a reply almost all audio
