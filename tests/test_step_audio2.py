@@ -281,3 +281,53 @@ def test_an_encoder_failure_ends_only_the_requests_it_held(model):
         del model.encode_features
     assert finals[with_audio].kind is EventKind.ERROR and "device lost" in finals[with_audio].error
     assert finals[text_only].kind is EventKind.FINISHED and engine.alive and engine.pool.used_pages == 0
+
+
+def test_the_spoken_reply_is_the_reference_token2wav_of_its_audio_ids(model):
+    """The engine's audio chunks = DiTToken2Wav (parity-tested against upstream's Token2wav.stream in
+    tests/test_step_audio2_token2wav.py) on the reply's audio ids, cut as a complete reply is, in the default voice
+    and from the first window's seed. Text events come in order with them."""
+    from voxbackend.components.flow_hift.dit_token2wav import VoicePrompt, split_chunks
+    from voxbackend.engine.detokenize import window_seed
+    from voxbackend.models.step_audio2.codec import load_voice
+
+    engine = Engine(model, EngineConfig(kv_pages=256, page_size=4))
+    sampling = SamplingParams(temperature=0, max_tokens=220, min_tokens=220, seed=5)
+    events = []
+    engine.submit(model.prepare("Good morning! What is this sound?", audio=clip(0.6, 3), sample_rate=16000),
+                  sampling, events.append)
+    while not events or not events[-1].final:
+        engine.step()
+    final = events[-1]
+    assert final.kind is EventKind.FINISHED, final.error
+    chunks = [e.audio for e in events if e.kind is EventKind.AUDIO]
+    codes = [i - AUDIO_OFFSET for i in final.token_ids if i >= AUDIO_OFFSET]
+    cuts = split_chunks(len(codes), model.codec.cfg)
+    assert len(cuts) >= 2 and len(chunks) == len(cuts), (len(codes), len(chunks))
+    voice = load_voice(model.model_dir, "default")
+    prompt = VoicePrompt(torch.as_tensor(voice["prompt_speech_tokens"], dtype=torch.long),
+                         torch.as_tensor(voice["prompt_feat"]), torch.as_tensor(voice["speaker_embedding"]))
+    seed = window_seed(5, 0)
+    state = model.codec.start(prompt, torch.Generator().manual_seed(seed), seed)
+    expected = [model.codec.decode_chunk(state, codes[a:b], last_chunk=last).numpy() for a, b, last in cuts]
+    for got, want in zip(chunks, expected):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    audio = np.concatenate(chunks)
+    assert 0.01 < float(np.sqrt(np.mean(audio ** 2))) < 0.5, "the tiny voice is audible and not clipped"
+    kinds = [e.kind for e in events]
+    assert EventKind.TEXT in kinds and kinds.index(EventKind.TEXT) < kinds.index(EventKind.AUDIO)
+    assert engine.pool.used_pages == 0
+
+
+def test_a_text_reply_has_no_voice_and_no_audio_and_an_unknown_voice_is_refused(model):
+    engine = Engine(model, EngineConfig(kv_pages=64, page_size=4))
+    events = []
+    engine.submit(model.prepare("Tell me about the weather.", speak=False),
+                  SamplingParams(temperature=0, max_tokens=30, min_tokens=30), events.append)
+    while not events or not events[-1].final:
+        engine.step()
+    assert events[-1].kind is EventKind.FINISHED and not [e for e in events if e.kind is EventKind.AUDIO]
+    assert [e for e in events if e.kind is EventKind.TEXT]
+    with pytest.raises(InvalidRequest, match="unknown voice 'nobody'; choose one of default") as e:
+        model.prepare("hello", "nobody")
+    assert e.value.field == "voice"

@@ -17,11 +17,13 @@ from tokenizers import Tokenizer
 
 from voxbackend.audio_io import read_audio
 from voxbackend.errors import InvalidRequest
-from voxbackend.models.base import ModelSpec, Prompt, PromptFeatures, SpeechModel
+from voxbackend.components.flow_hift.dit_token2wav import VoicePrompt
+from voxbackend.models.base import ModelSpec, Prompt, PromptFeatures, SpeechModel, WindowJob, WindowSpec
 from voxbackend.models.checkpoint import load_safetensors, read_config
 from voxbackend.models.decoder import DecoderConfig, build_decoder
 from voxbackend.models.step_audio2.audio_encoder import SAMPLE_RATE, load_audio_encoder, placeholder_count
 from voxbackend.models.step_audio2.chat import ChatTemplate, Turn
+from voxbackend.models.step_audio2.codec import DEFAULT_VOICE, ReplyAudio, load_codec, load_voice, voice_names
 from voxbackend.sampling_params import SamplingParams
 from voxbackend.tensor_spec import TensorSpec
 
@@ -59,6 +61,13 @@ class StepAudio2(SpeechModel):
                    doc="the log-mel spectrograms of the prompt's audio pieces, one after another in time"),
         TensorSpec("AUDIO_MEL_FRAMES", "INT32", (-1,), optional=True, arg="audio_mel_frames",
                    doc="each piece's frames in AUDIO_MELS, in prompt order"),
+        # the voice a spoken reply is in (codec.py); a text reply has none
+        TensorSpec("PROMPT_SPEECH_TOKENS", "INT32", (-1,), optional=True, arg="prompt_speech_tokens",
+                   doc="the voice's 25 Hz speech tokens (flow prompt)"),
+        TensorSpec("PROMPT_FEAT", "FP32", (-1, 80), optional=True, arg="prompt_feat",
+                   doc="the voice's 50 Hz mel, 2 frames a token"),
+        TensorSpec("SPEAKER_EMBEDDING", "FP32", (-1,), optional=True, arg="speaker_embedding",
+                   doc="the voice's speaker vector"),
     )
     engine_features = True
 
@@ -73,8 +82,18 @@ class StepAudio2(SpeechModel):
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
         self.template = ChatTemplate(Tokenizer.from_file(str(tokenizer_file)))
-        self.spec = ModelSpec(name="step_audio2", geometry=self.cfg.geometry(), sample_rate=24000, codes_per_frame=1,
-                              window=None, stop_ids=(self.template.eot,), max_tokens=MAX_TOKENS)
+        self.model_dir = model_dir
+        self.voices = voice_names(model_dir)
+        if DEFAULT_VOICE not in self.voices:
+            raise FileNotFoundError(f"no voices/{DEFAULT_VOICE}.safetensors in {model_dir}: the voice replies are "
+                                    "spoken in by default")
+        self.codec = load_codec(model_dir, device, dtype)
+        stream = self.codec.cfg
+        chunk = stream.chunk_tokens + stream.lookahead_tokens  # nominal: the state schedules the chunks
+        self.spec = ModelSpec(name="step_audio2", geometry=self.cfg.geometry(), sample_rate=self.codec.sample_rate,
+                              codes_per_frame=1, stop_ids=(self.template.eot,), max_tokens=MAX_TOKENS,
+                              window=WindowSpec(frames=chunk, hop_frames=stream.chunk_tokens, first_frames=chunk,
+                                                flush_on_finish=True, stateful=True, scheduled_by_model=True))
         weights = load_safetensors(model_dir)
         self.audio_encoder = load_audio_encoder(hf, weights, device, dtype)
         if lm:
@@ -103,11 +122,17 @@ class StepAudio2(SpeechModel):
         if len(chat.ids) >= self.spec.geometry.max_context:
             raise InvalidRequest(f"prompt is {len(chat.ids)} tokens; the model's context is "
                                  f"{self.spec.geometry.max_context}", field="history" if history else "text")
-        conditioning = {}
+        conditioning = self._voice(voice) if speak else {}
         if chat.mels:
             conditioning["audio_mels"] = torch.cat(chat.mels, dim=1).numpy()
             conditioning["audio_mel_frames"] = np.array([m.shape[-1] for m in chat.mels], np.int32)
         return Prompt(chat.ids, conditioning)
+
+    def _voice(self, voice: str | None) -> dict[str, np.ndarray]:
+        name = voice or DEFAULT_VOICE
+        if name not in self.voices:
+            raise InvalidRequest(f"unknown voice {name!r}; choose one of {', '.join(self.voices)}", field="voice")
+        return load_voice(self.model_dir, name)
 
     def _user_content(self, text, audio, sample_rate, text_field: str, audio_field: str) -> list:
         content: list = []
@@ -190,3 +215,33 @@ class StepAudio2(SpeechModel):
 
     def codes_from_step(self, step: int, codes_so_far: int) -> list[int]:
         return [step - AUDIO_OFFSET] if AUDIO_OFFSET <= step < AUDIO_OFFSET + AUDIO_CODES else []
+
+    # --- speech out (codec.py): the reply's audio ids, spoken in the request's voice ---
+    def new_codec_state(self, conditioning: dict[str, np.ndarray]) -> ReplyAudio | None:
+        if "prompt_speech_tokens" not in conditioning:  # a text reply: no voice
+            return None
+        return ReplyAudio(VoicePrompt(torch.as_tensor(conditioning["prompt_speech_tokens"], dtype=torch.long),
+                                      torch.as_tensor(conditioning["prompt_feat"]),
+                                      torch.as_tensor(conditioning["speaker_embedding"])))
+
+    def windows_ready(self, state: ReplyAudio | None, codes: list[int], lm_done: bool) -> int:
+        if state is None:
+            return 0
+        state.codes.extend(codes[len(state.codes):])
+        state.ended = lm_done
+        stream = self.codec.cfg
+        return 1 if state.window(stream.chunk_tokens, stream.lookahead_tokens) else 0
+
+    def detokenize(self, jobs: list[WindowJob]) -> list[np.ndarray]:
+        """One chunk per request (stateful windows go one at a time); the first starts the request's decoder, its
+        flow noise and HiFT excitation drawn from the window's seed."""
+        stream, out = self.codec.cfg, []
+        for job in jobs:
+            state: ReplyAudio = job.state
+            start, end, last = state.window(stream.chunk_tokens, stream.lookahead_tokens)
+            if state.decoder is None:
+                state.decoder = self.codec.start(state.prompt, torch.Generator().manual_seed(job.seed), job.seed)
+            audio = self.codec.decode_chunk(state.decoder, state.codes[start:end], last_chunk=last)
+            state.spoken = end if last else start + stream.chunk_tokens
+            out.append(audio.numpy().astype(np.float32, copy=False))
+        return out
