@@ -319,6 +319,20 @@ def test_the_spoken_reply_is_the_reference_token2wav_of_its_audio_ids(model):
     assert engine.pool.used_pages == 0
 
 
+def test_the_preprocess_front_end_prepares_the_same_prompt_without_weights(checkpoint, model):
+    from voxbackend.models import registry
+
+    front = registry.load_frontend(checkpoint)
+    assert type(front).__name__ == "StepAudio2Frontend" and not hasattr(front, "backbone")
+    history = [{"role": "user", "audio": clip(0.5, 4), "sample_rate": 16000}, {"role": "assistant", "text": "Yes."}]
+    a = front.prepare("And then?", "default", system=SYSTEM, history=history)
+    b = model.prepare("And then?", "default", system=SYSTEM, history=history)
+    assert a.ids == b.ids and a.conditioning.keys() == b.conditioning.keys()
+    for key in a.conditioning:
+        np.testing.assert_array_equal(a.conditioning[key], b.conditioning[key])
+    assert front.spec == model.spec
+
+
 def test_a_text_reply_has_no_voice_and_no_audio_and_an_unknown_voice_is_refused(model):
     engine = Engine(model, EngineConfig(kv_pages=64, page_size=4))
     events = []

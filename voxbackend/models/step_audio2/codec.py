@@ -61,12 +61,16 @@ class CodecConfig:
         return _build(cls, data)
 
 
+def codec_config(model_dir: str | Path) -> CodecConfig:
+    config_file = Path(model_dir) / CODEC_FOLDER / CONFIG_NAME
+    return CodecConfig.from_dict(json.loads(config_file.read_text())) if config_file.is_file() else CodecConfig()
+
+
 def load_codec(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> DiTToken2Wav:
     folder = Path(model_dir) / CODEC_FOLDER
     if not (folder / "flow.pt").is_file() or not (folder / "hift.pt").is_file():
         raise FileNotFoundError(f"no {CODEC_FOLDER}/flow.pt and hift.pt in {model_dir}: Step-Audio 2 speaks with them")
-    config_file = folder / CONFIG_NAME
-    cfg = CodecConfig.from_dict(json.loads(config_file.read_text())) if config_file.is_file() else CodecConfig()
+    cfg = codec_config(model_dir)
     flow = DiTFlow(cfg.flow)
     flow.load_state_dict(torch.load(folder / "flow.pt", map_location="cpu", weights_only=True), strict=True)
     hift_state = torch.load(folder / "hift.pt", map_location="cpu", weights_only=True)

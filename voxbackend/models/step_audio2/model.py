@@ -1,11 +1,11 @@
 """Step-Audio 2 mini: a Qwen2.5-7B-shaped LM that hears audio (the audio encoder's rows at the prompt's
 placeholder rows) and answers with text ids interleaved with audio ids (S3 codes from AUDIO_OFFSET), ending at
-`<|EOT|>`.
+`<|EOT|>`; the audio ids are spoken by its token2wav (codec.py) in a stored voice.
 
-So far the model serves its LM through the engine (the audio rows at its FEATURE rows; the reply's text as TEXT
-events, its audio ids as codec codes): speaking the codes (token2wav) and serving it through Triton are still to
-come. prepare() (the preprocess) only cuts the clips into 25 s pieces and computes their spectrograms; the audio
-encoder runs in the engine, on its device, in one batch for the requests admitted together (engine_features).
+`StepAudio2Frontend` (the preprocess) holds no weights: the chat template, the voices, and the clips cut into 25 s
+pieces and turned into spectrograms. `StepAudio2` adds the audio encoder, which runs in the engine on its device, in
+one batch for the requests admitted together (engine_features), the LM and the codec. The reply's text goes out as
+TEXT events in order with its audio. Not served through Triton yet: the glue carries no text (TEXT_OUT) so far.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from voxbackend.models.checkpoint import load_safetensors, read_config
 from voxbackend.models.decoder import DecoderConfig, build_decoder
 from voxbackend.models.step_audio2.audio_encoder import SAMPLE_RATE, load_audio_encoder, placeholder_count
 from voxbackend.models.step_audio2.chat import ChatTemplate, Turn
-from voxbackend.models.step_audio2.codec import DEFAULT_VOICE, ReplyAudio, load_codec, load_voice, voice_names
+from voxbackend.models.step_audio2.codec import (DEFAULT_VOICE, ReplyAudio, codec_config, load_codec, load_voice,
+                                                  voice_names)
 from voxbackend.sampling_params import SamplingParams
 from voxbackend.tensor_spec import TensorSpec
 
@@ -43,7 +44,9 @@ def is_step_audio2_config(hf_config: dict) -> bool:
     return "text_config" in hf_config and "audio_encoder_config" in hf_config
 
 
-class StepAudio2(SpeechModel):
+class StepAudio2Frontend(SpeechModel):
+    """What the preprocess needs: the chat template, the voices, the spectrograms of the clips; no weights."""
+
     request_inputs = (
         TensorSpec("INPUT_AUDIO", "STRING", optional=True, arg="audio", kind="audio",
                    doc="the user's spoken turn: a WAV/FLAC/OGG clip of at most 60 s (any rate: resampled to 16 kHz)"),
@@ -71,13 +74,12 @@ class StepAudio2(SpeechModel):
     )
     engine_features = True
 
-    def __init__(self, model_dir: str | Path, codec_dir: str | Path | None = None, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, lm: bool = True):
+    def __init__(self, model_dir: str | Path, codec_dir: str | Path | None = None):
         model_dir = Path(model_dir)
-        hf = read_config(model_dir)
-        if not is_step_audio2_config(hf):
+        self.hf_config = read_config(model_dir)
+        if not is_step_audio2_config(self.hf_config):
             raise ValueError(f"{model_dir}/config.json has no text_config and audio_encoder_config: not Step-Audio 2")
-        self.cfg = DecoderConfig.from_hf(hf["text_config"], family="qwen2")
+        self.cfg = DecoderConfig.from_hf(self.hf_config["text_config"], family="qwen2")
         tokenizer_file = model_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
@@ -87,17 +89,13 @@ class StepAudio2(SpeechModel):
         if DEFAULT_VOICE not in self.voices:
             raise FileNotFoundError(f"no voices/{DEFAULT_VOICE}.safetensors in {model_dir}: the voice replies are "
                                     "spoken in by default")
-        self.codec = load_codec(model_dir, device, dtype)
-        stream = self.codec.cfg
-        chunk = stream.chunk_tokens + stream.lookahead_tokens  # nominal: the state schedules the chunks
-        self.spec = ModelSpec(name="step_audio2", geometry=self.cfg.geometry(), sample_rate=self.codec.sample_rate,
+        codec = codec_config(model_dir)
+        self.stream = codec.stream
+        chunk = self.stream.chunk_tokens + self.stream.lookahead_tokens  # nominal: the state schedules the chunks
+        self.spec = ModelSpec(name="step_audio2", geometry=self.cfg.geometry(), sample_rate=codec.hift.sampling_rate,
                               codes_per_frame=1, stop_ids=(self.template.eot,), max_tokens=MAX_TOKENS,
-                              window=WindowSpec(frames=chunk, hop_frames=stream.chunk_tokens, first_frames=chunk,
+                              window=WindowSpec(frames=chunk, hop_frames=self.stream.chunk_tokens, first_frames=chunk,
                                                 flush_on_finish=True, stateful=True, scheduled_by_model=True))
-        weights = load_safetensors(model_dir)
-        self.audio_encoder = load_audio_encoder(hf, weights, device, dtype)
-        if lm:
-            self.backbone = build_decoder(self.cfg, weights, device, dtype)
 
     def prepare(self, text: str | None = None, voice: str | None = None, *, audio=None, sample_rate: int | None = None,
                 system: str | None = None, history: list[dict] | None = None, speak: bool = True) -> Prompt:
@@ -172,6 +170,34 @@ class StepAudio2(SpeechModel):
                                  f"{MIN_PIECE_FRAMES}) in AUDIO_MELS", field="audio_mel_frames")
         return sum(placeholder_count(int(f)) for f in frames)
 
+    def default_sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.05, max_tokens=MAX_TOKENS)
+
+    # --- the reply: text ids (said as TEXT events) and audio ids (S3 codes for the codec), interleaved ---
+    text_output = True
+
+    def is_text_id(self, step: int) -> bool:
+        return step < self.template.text.first_added_id  # control ids (<|EOT|>, <tts_start>, ...) and audio ids not
+
+    def decode_text(self, ids: list[int]) -> str:
+        return self.template.text.decode(ids)
+
+    def codes_from_step(self, step: int, codes_so_far: int) -> list[int]:
+        return [step - AUDIO_OFFSET] if AUDIO_OFFSET <= step < AUDIO_OFFSET + AUDIO_CODES else []
+
+
+class StepAudio2(StepAudio2Frontend):
+    """The audio encoder, the LM and the codec (token2wav), on `device`; lm=False: without the LM (a codec stage)."""
+
+    def __init__(self, model_dir: str | Path, codec_dir: str | Path | None = None, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, lm: bool = True):
+        super().__init__(model_dir, codec_dir)
+        self.codec = load_codec(self.model_dir, device, dtype)
+        weights = load_safetensors(self.model_dir)
+        self.audio_encoder = load_audio_encoder(self.hf_config, weights, device, dtype)
+        if lm:
+            self.backbone = build_decoder(self.cfg, weights, device, dtype)
+
     @torch.inference_mode()
     def encode_features(self, conditionings: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
         """Every piece of every request through the audio encoder, ENCODER_BATCH pieces a call."""
@@ -191,9 +217,6 @@ class StepAudio2(SpeechModel):
             k += n
         return out
 
-    def default_sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.05, max_tokens=MAX_TOKENS)
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention,
                 features: PromptFeatures | None = None) -> torch.Tensor:
         x = self.backbone.embed(input_ids.clamp(min=0))  # FEATURE rows (negative ids) get their vectors below
@@ -203,18 +226,6 @@ class StepAudio2(SpeechModel):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.backbone.logits(hidden)
-
-    # --- the reply: text ids (said as TEXT events) and audio ids (S3 codes for the codec), interleaved ---
-    text_output = True
-
-    def is_text_id(self, step: int) -> bool:
-        return step < self.template.text.first_added_id  # control ids (<|EOT|>, <tts_start>, ...) and audio ids not
-
-    def decode_text(self, ids: list[int]) -> str:
-        return self.template.text.decode(ids)
-
-    def codes_from_step(self, step: int, codes_so_far: int) -> list[int]:
-        return [step - AUDIO_OFFSET] if AUDIO_OFFSET <= step < AUDIO_OFFSET + AUDIO_CODES else []
 
     # --- speech out (codec.py): the reply's audio ids, spoken in the request's voice ---
     def new_codec_state(self, conditioning: dict[str, np.ndarray]) -> ReplyAudio | None:
