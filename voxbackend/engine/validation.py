@@ -38,6 +38,8 @@ class RequestValidator:
         self.config = config
         self.pool = pool
         spec = model.spec
+        if model.engine_features and spec.guidance:  # the guide row would need its own vectors from the engine
+            raise ValueError(f"{spec.name}: engine_features does not go with guidance")
         self.max_tokens_limit = config.max_tokens_limit or spec.max_tokens or spec.geometry.max_context
 
     def check(self, prompt: list[int] | list[list[int]] | Prompt, sampling: SamplingParams | None,
