@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
 from tokenizers import Tokenizer
 
 from voxbackend.models.base import FEATURE
