@@ -18,7 +18,6 @@ masks).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from voxbackend.components.flow_hift.dit_estimator import BlockCache, DiT, DiTConfig
 from voxbackend.components.flow_hift.flow_encoder import EncoderConfig, UpsampleConformerEncoder
 from voxbackend.components.flow_hift.flow_encoder_v2 import EncoderCache, encode_chunk
+from voxbackend.components.flow_hift.flow_matching import solve_euler_cfg
 
 
 @dataclass(frozen=True)
@@ -47,24 +47,6 @@ class Decoder(nn.Module):
     def __init__(self, cfg: DiTConfig):
         super().__init__()
         self.estimator = DiT(cfg)
-
-
-def solve_euler_cfg(velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
-                    n_timesteps: int, cfg_rate: float) -> torch.Tensor:
-    """Euler steps from t=0 to 1 on the cosine schedule 1 - cos(pi/2 s). velocity(x2, t2) runs the estimator on the
-    doubled batch [conditional; unconditional]; guidance v = (1 + w) v_cond - w v_uncond. x stays float32.
-    t advances by the step and the next step is measured from it, as in the reference (not read off the schedule)."""
-    t_span = torch.linspace(0, 1, n_timesteps + 1, device=x.device, dtype=torch.float32)
-    t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
-    t, dt = t_span[:1], t_span[1] - t_span[0]
-    b = x.size(0)
-    for step in range(1, len(t_span)):
-        v = velocity(torch.cat([x, x]), torch.cat([t, t]).expand(2 * b)).float()
-        x = x + dt * ((1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:])
-        t = t + dt
-        if step < len(t_span) - 1:
-            dt = t_span[step + 1] - t
-    return x
 
 
 class DiTFlow(nn.Module):

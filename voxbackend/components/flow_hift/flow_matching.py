@@ -13,6 +13,7 @@ plain Euler steps on a linear schedule, no guidance, the estimator told each ste
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +58,25 @@ class FlowRow:
     embedding: torch.Tensor     # (spk_embed_dim,) speaker embedding
     finalize: bool              # no lookahead context: the utterance's last window
     streaming: bool             # chunk-causal attention (the reference decodes its final window with full attention)
+
+
+def solve_euler_cfg(velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
+                    n_timesteps: int, cfg_rate: float) -> torch.Tensor:
+    """Euler steps from t=0 to 1 on the cosine schedule 1 - cos(pi/2 s), with classifier-free guidance.
+    velocity(x2, t2) runs the estimator on the doubled batch [conditional; unconditional] at times t2 (2B,);
+    v = (1 + w) v_cond - w v_uncond. x stays float32. t advances by the step and the next step is measured from it,
+    as the references do (not read off the schedule). CosyVoice2's and Step-Audio 2's flows both solve this way."""
+    t_span = torch.linspace(0, 1, n_timesteps + 1, device=x.device, dtype=torch.float32)
+    t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
+    t, dt = t_span[0], t_span[1] - t_span[0]
+    b = x.size(0)
+    for step in range(1, len(t_span)):
+        v = velocity(torch.cat([x, x]), t.expand(2 * b)).float()
+        x = x + dt * ((1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:])
+        t = t + dt
+        if step < len(t_span) - 1:
+            dt = t_span[step + 1] - t
+    return x
 
 
 class Estimator(nn.Module):
@@ -127,23 +147,15 @@ class FlowMatching(nn.Module):
         cfg = self.cfg
         if cfg.estimator.meanflow:
             return self._solve_meanflow(x, mu, mask, spks, cond, streaming)
-        t_span = torch.linspace(0, 1, cfg.n_timesteps + 1, device=x.device, dtype=torch.float32)
-        t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
-        t, dt = t_span[0], t_span[1] - t_span[0]
         zeros = torch.zeros_like
         mask2, mu2 = torch.cat([mask, mask]), torch.cat([mu, zeros(mu)])
         spks2, cond2, streaming2 = (torch.cat([spks, zeros(spks)]), torch.cat([cond, zeros(cond)]),
                                     torch.cat([streaming, streaming]))
-        b = x.size(0)
-        for step in range(1, len(t_span)):
-            v = self.decoder.estimator(torch.cat([x, x]).to(mu.dtype), mask2, mu2, t.expand(2 * b), spks2, cond2,
-                                       streaming2).float()
-            v_cond, v_uncond = v[:b], v[b:]
-            x = x + dt * ((1.0 + cfg.cfg_rate) * v_cond - cfg.cfg_rate * v_uncond)
-            t = t + dt
-            if step < len(t_span) - 1:
-                dt = t_span[step + 1] - t
-        return x
+
+        def velocity(x2: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
+            return self.decoder.estimator(x2.to(mu.dtype), mask2, mu2, t2, spks2, cond2, streaming2)
+
+        return solve_euler_cfg(velocity, x, cfg.n_timesteps, cfg.cfg_rate)
 
     def _solve_meanflow(self, x, mu, mask, spks, cond, streaming) -> torch.Tensor:
         """Euler steps on a linear schedule, each told its end time; no guidance (the mean-flow model was
