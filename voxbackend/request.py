@@ -30,7 +30,10 @@ class LMState:
     skipped_steps: int = 0  # consecutive steps passed over by the policy (ageing prevents starvation)
     finish_reason: str | None = None  # set when the LM is done with it ("stop", "length")
     text_ids: list[int] = field(default_factory=list)  # text_output models: the reply's text ids so far
-    text_sent: int = 0  # characters of their text already sent
+    # text_ids[:text_read] are sent; text_ids[text_prefix:text_read], decoded again with the new ids, give the new
+    # characters their context (a tokenizer may decode an id differently at the start of a piece)
+    text_prefix: int = 0
+    text_read: int = 0
 
 
 @dataclass(slots=True)

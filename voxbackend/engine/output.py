@@ -59,12 +59,15 @@ class Output:
             r.lm.awaiting_input = False
 
     def _send_text(self, r: Request, final: bool) -> None:
-        """The reply's new characters. A byte-level tokenizer may split a character across ids: its text then ends
-        in U+FFFD until the rest arrives, so that piece waits (unless the reply has ended)."""
-        text = self.model.decode_text(r.lm.text_ids)
-        if len(text) > r.lm.text_sent and (final or not text.endswith("\ufffd")):
-            self._deliver(r, Event(r.id, EventKind.TEXT, index=r.playback.chunks_sent, text=text[r.lm.text_sent:]))
-            r.lm.text_sent = len(text)
+        """The reply's new characters, decoding only the ids since the last piece sent (and that piece's, for
+        context), not the whole reply again at every id. A byte-level tokenizer may split a character across ids:
+        its text then ends in U+FFFD until the rest arrives, so that piece waits (unless the reply has ended)."""
+        lm = r.lm
+        sent = self.model.decode_text(lm.text_ids[lm.text_prefix:lm.text_read])
+        text = self.model.decode_text(lm.text_ids[lm.text_prefix:])
+        if len(text) > len(sent) and (final or not text.endswith("\ufffd")):
+            self._deliver(r, Event(r.id, EventKind.TEXT, index=r.playback.chunks_sent, text=text[len(sent):]))
+            lm.text_prefix, lm.text_read = lm.text_read, len(lm.text_ids)
 
     def _lm_finished(self, r: Request, reason: str) -> None:
         r.lm.finish_reason = reason
