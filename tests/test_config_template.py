@@ -112,7 +112,7 @@ def test_the_front_model_hosts_the_engine_its_engine_model_parameter_names(model
     assert _tensor_names(front, "input") == _tensor_names(rendered[model.preprocess], "input") == {
         s.name for s in schema.client_inputs(model.input_specs)}
     assert _tensor_names(rendered[model.preprocess], "output") <= _tensor_names(rendered[model.engine], "input")
-    assert _tensor_names(front, "output") == {s.name for s in schema.CLIENT_OUTPUTS}
+    assert _tensor_names(front, "output") == {s.name for s in schema.client_outputs(model.text_output)}
     assert {"AUDIO", "AUDIO_FORMAT", "STREAM_ID", *(s.name for s in schema.CHUNK_META)} <= _tensor_names(
         rendered[model.engine], "output")
 
@@ -123,8 +123,9 @@ def test_engine_and_front_are_decoupled_and_every_tensor_is_documented():
         assert "model_transaction_policy { decoupled: true }" in rendered[name], name
     assert "decoupled" not in rendered["orpheus_preprocess"]
     model_inputs = [s for m in configs.SERVED_MODELS
-                    for s in (*schema.client_inputs(m.input_specs), *schema.engine_inputs(m.input_specs))]
-    for spec in (*schema.ENGINE_OUTPUTS, *schema.CLIENT_OUTPUTS, *model_inputs):
+                    for s in (*schema.client_inputs(m.input_specs, m.text_required),
+                              *schema.engine_inputs(m.input_specs))]
+    for spec in (*schema.engine_outputs(True), *schema.client_outputs(True), *model_inputs):
         assert spec.doc, f"{spec.name} needs a doc line (it is the schema documentation in config.pbtxt)"
 
 

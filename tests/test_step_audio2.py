@@ -7,7 +7,7 @@
   the first compute_token_num(frames) of each piece's (as upstream inserts them);
 - the LM: transformers' Qwen2ForCausalLM.generate from inputs_embeds, greedy.
 
-Greedy reply ids equal the reference's, alone and batched with staggered arrivals.
+Greedy reply ids equal the reference's, alone, batched with staggered arrivals and through preemptions.
 """
 from __future__ import annotations
 
@@ -163,15 +163,26 @@ def test_greedy_replies_equal_the_composed_reference_alone_and_batched(upstream,
         elif e.final:
             done[e.request_id] = e.token_ids
 
-    ids = []
-    for p in prompts:  # each arrives while the earlier ones are decoding
-        ids.append(engine.submit(p, greedy, on_event, streaming=False))
-        engine.step()
-        engine.step()
-    while len(done) < len(ids):
-        engine.step()
-    assert [done[i] for i in ids] == expected
-    assert engine.pool.used_pages == 0
+    def staggered(engine: Engine, name: str) -> list[str]:
+        ids = []
+        for k, p in enumerate(prompts):  # each arrives while the earlier ones are decoding
+            ids.append(engine.submit(p, greedy, on_event, request_id=f"{name}-{k}", streaming=False))
+            engine.step()
+            engine.step()
+        while not all(i in done for i in ids):
+            engine.step()
+        assert [done[i] for i in ids] == expected
+        assert engine.pool.used_pages == 0
+        return ids
+
+    ids = staggered(engine, "batched")
+    # a pool that holds the longest request but not all four: requests are preempted and resume with the same
+    # audio rows at their placeholder positions
+    pages = [-(-(len(p.ids) + STEPS) // 4) for p in prompts]
+    small = Engine(model, EngineConfig(page_size=4, max_batch=4, kv_pages=max(pages) + 2, prefill_budget=16))
+    assert sum(pages) > max(pages) + 2
+    staggered(small, "preempted")
+    assert small.preemptions > 0
     # submitted together: the audio encoder runs once for the three requests with audio, on the engine thread
     calls = []
     encode = model.encode_features

@@ -466,6 +466,29 @@ def wait_until(predicate, timeout: float = 5.0) -> bool:
     return False
 
 
+def test_a_text_models_reply_text_goes_in_responses_of_its_own_in_order_with_the_audio():
+    """TEXT events become responses with TEXT_OUT and no audio, CHUNK_INDEX the next audio chunk's; every response
+    of a text model carries TEXT_OUT (empty on audio) and the front model's encoding keeps it; a model without
+    text output sends no TEXT_OUT at all."""
+    now = [0.0]
+    loop = ResponseLoop(engine=None, clock=lambda: now[0])
+    rec, plain = Recorder(), Recorder()
+    loop._handle(_Add(Stream("r", rec, "pcm16", 0.0, 1000, text_output=True)))
+    loop._handle(_Add(Stream("p", plain, "pcm16", 0.0, 1000)))
+    chunk = np.full(100, 0.25, np.float32)
+    for event in (Event("r", EventKind.TEXT, text="Hel"), Event("r", EventKind.TEXT, text="lo "),
+                  Event("r", EventKind.AUDIO, audio=chunk), Event("r", EventKind.TEXT, text="there"),
+                  Event("r", EventKind.AUDIO, audio=chunk), Event("r", EventKind.FINISHED, finish_reason="stop"),
+                  Event("p", EventKind.AUDIO, audio=chunk)):
+        loop._handle(event)
+    got = [(o["TEXT_OUT"][0], o["AUDIO"].size, int(o["CHUNK_INDEX"][0]), bool(o["FINAL"][0])) for o, _, _ in rec.sent]
+    assert got == [(b"Hel", 0, 0, False), (b"lo ", 0, 0, False), (b"", 100, 0, False), (b"there", 0, 1, False),
+                   (b"", 100, 1, False), (b"", 0, 2, True)]
+    encoded = audio_encoding.client_outputs(rec.sent[0][0])
+    assert encoded["TEXT_OUT"][0] == b"Hel" and encoded["AUDIO"][0] == b""
+    assert "TEXT_OUT" not in plain.sent[0][0] and "TEXT_OUT" not in audio_encoding.client_outputs(plain.sent[0][0])
+
+
 def test_late_chunks_follow_the_listener_model():
     now = [0.0]
     metrics = Metrics()

@@ -74,7 +74,8 @@ def _decode(data: bytes, field: str) -> tuple[np.ndarray, int]:
     try:
         audio, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except Exception as exc:  # soundfile raises LibsndfileError / RuntimeError / TypeError for junk
-        raise InvalidRequest(f"{field} is not a readable audio file (WAV, FLAC, OGG): {exc}", field=field) from None
+        why = getattr(exc, "error_string", None) or exc  # libsndfile's reason, without the stream's repr
+        raise InvalidRequest(f"{field} is not a readable audio file (WAV, FLAC, OGG): {why}", field=field) from None
     return audio.mean(axis=1, dtype=np.float32), int(rate)
 
 

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -39,13 +39,16 @@ def make_inputs(text: str | bytes | None, voice: str | None = None, audio_format
                 speaker: int | None = None, context: dict[str, list] | None = None,
                 context_sample_rate: int | None = None, reference_audio: bytes | str | Path | None = None,
                 reference_text: str | None = None, exaggeration: float | None = None, batched: bool = False,
-                **sampling) -> list:
+                input_audio: bytes | str | Path | None = None, system_prompt: str | None = None,
+                history: list[dict] | None = None, speak: bool | None = None, **sampling) -> list:
     """Request tensors by name; sampling keys are the tensor names (TEMPERATURE=0.6, SEED=7, ...).
 
     CSM: `speaker`, and `context` as made by context_fields; CONTEXT_AUDIO items are file bytes, or float32
     arrays sent as raw samples at `context_sample_rate`. Voice cloning (CosyVoice2, Qwen3-TTS Base):
     `reference_audio` (file bytes or a path) and its transcript `reference_text` (Chatterbox: the clip alone, and
-    `exaggeration`). batched: with a leading batch
+    `exaggeration`). A spoken-dialogue model (Step-Audio 2): the user's turn as `text`, `input_audio` (file bytes or
+    a path) or both, a `system_prompt`, earlier turns as `history` ([{"role": "user" | "assistant", "text": ...,
+    "audio": file bytes or a path}], oldest first), `speak=False` for a text reply. batched: with a leading batch
     dimension of 1, for a model with max_batch_size > 0 (`<model>_text_stream`).
     """
     import tritonclient.grpc as grpcclient
@@ -74,12 +77,22 @@ def make_inputs(text: str | bytes | None, voice: str | None = None, audio_format
     if context_sample_rate is not None:
         inputs.append(tensor("CONTEXT_SAMPLE_RATE", np.array([context_sample_rate], dtype=np.int32), "INT32"))
     if reference_audio is not None:
-        clip = reference_audio if isinstance(reference_audio, bytes) else Path(reference_audio).read_bytes()
-        inputs.append(text_tensor("REFERENCE_AUDIO", clip))
+        inputs.append(text_tensor("REFERENCE_AUDIO", _file_bytes(reference_audio)))
     if reference_text is not None:
         inputs.append(text_tensor("REFERENCE_TEXT", reference_text))
     if exaggeration is not None:
         inputs.append(tensor("EXAGGERATION", np.array([exaggeration], dtype=np.float32), "FP32"))
+    if input_audio is not None:
+        inputs.append(text_tensor("INPUT_AUDIO", _file_bytes(input_audio)))
+    if system_prompt is not None:
+        inputs.append(text_tensor("SYSTEM_PROMPT", system_prompt))
+    if history:
+        for name, key in (("HISTORY_ROLE", "role"), ("HISTORY_TEXT", "text"), ("HISTORY_AUDIO", "audio")):
+            items = [_file_bytes(turn[key]) if key == "audio" and turn.get(key) is not None else
+                     (turn.get(key) or "").encode() for turn in history]
+            inputs.append(tensor(name, np.array(items, dtype=np.object_), "BYTES"))
+    if speak is not None:
+        inputs.append(tensor("SPEAK", np.array([speak], dtype=bool), "BOOL"))
     if audio_format:
         inputs.append(text_tensor("AUDIO_FORMAT", audio_format))
     for name, value in sampling.items():
@@ -90,6 +103,10 @@ def make_inputs(text: str | bytes | None, voice: str | None = None, audio_format
         triton_type, dtype = SAMPLING_TYPES[name]
         inputs.append(tensor(name, np.array([value], dtype=dtype), triton_type))
     return inputs
+
+
+def _file_bytes(clip: bytes | str | Path) -> bytes:
+    return clip if isinstance(clip, bytes) else Path(clip).read_bytes()
 
 
 def response_audio(result, audio_format: str) -> np.ndarray:
@@ -131,6 +148,9 @@ class StreamOutcome:
     arrived_in_order: bool = True  # chunks came in CHUNK_INDEX order
     seed: int | None = None  # SEED_USED: the seed the server sampled with (send it as SEED to reproduce the audio)
     piece_errors: list[str] = field(default_factory=list)  # text streaming: later pieces the server refused
+    # a model that answers in text too (TEXT_OUT): (arrival, audio chunks before it, the piece), in arrival order
+    text_pieces: list[tuple[float, int, str]] = field(default_factory=list)
+    on_text: Callable[[str], None] | None = None  # called with each text piece as it arrives
 
     def take(self, result, t: float, audio_format: str) -> bool:
         """Record one response that arrived at t: its audio, seed and, on the stream's last response (FINAL),
@@ -142,6 +162,11 @@ class StreamOutcome:
             self.chunks.append(audio)
             self.arrivals.append(t)
             self.indices.append(int(response_scalar(result, "CHUNK_INDEX", len(self.indices))))
+        text = response_scalar(result, "TEXT_OUT", "")
+        if text:
+            self.text_pieces.append((t, int(response_scalar(result, "CHUNK_INDEX", len(self.chunks))), text))
+            if self.on_text is not None:
+                self.on_text(text)
         if response_scalar(result, "FINAL", False):  # the stream's last response: FINISH_REASON says why
             self.finish_reason, self.end_time = response_scalar(result, "FINISH_REASON", "") or None, t
         if is_triton_final(result):
@@ -163,6 +188,11 @@ class StreamOutcome:
     @property
     def audio(self) -> np.ndarray:
         return np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.float32)
+
+    @property
+    def text(self) -> str:
+        """The reply's text (TEXT_OUT pieces joined)."""
+        return "".join(piece for _, _, piece in self.text_pieces)
 
     @property
     def audio_s(self) -> float:
@@ -222,15 +252,16 @@ class StreamCall:
 
 def stream_request(url: str, model: str, inputs: list, audio_format: str = "pcm16", timeout: float = 300.0,
                    cancel_after_chunks: int | None = None, request_id: str = "tts",
-                   linger_s: float = 0.0) -> StreamOutcome:
+                   linger_s: float = 0.0, on_text: Callable[[str], None] | None = None) -> StreamOutcome:
     """Send one request on its own gRPC stream and collect every response until the final one.
 
     cancel_after_chunks: stop the stream with cancel_requests=True after that many audio chunks (a client that
     hangs up); the outcome then has finish_reason "client-cancelled".
     linger_s: keep listening that long after the final response or error and count late_responses (tests).
+    on_text: called with each piece of the reply's text as it arrives (a model that answers in text too).
     """
     responses: queue.SimpleQueue = queue.SimpleQueue()
-    out = StreamOutcome(send_time=time.monotonic())
+    out = StreamOutcome(send_time=time.monotonic(), on_text=on_text)
     call = StreamCall(url, model, inputs, lambda result, error: responses.put((time.monotonic(), result, error)),
                       request_id)
     cancelled = False

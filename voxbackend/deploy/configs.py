@@ -80,6 +80,16 @@ class ServedModel:
         return registry.get_kind(self.name).conditioning
 
     @property
+    def text_required(self) -> bool:
+        """False: the model may take its turn as audio instead of TEXT (a spoken-dialogue model)."""
+        return registry.get_kind(self.name).model.text_required
+
+    @property
+    def text_output(self) -> bool:
+        """The model answers in text and speech: its engine and front model send TEXT_OUT too."""
+        return bool(getattr(registry.get_kind(self.name).model, "text_output", False))
+
+    @property
     def engine(self) -> str:
         return f"{self.name}_engine"
 
@@ -217,7 +227,7 @@ def render_text_stream(m: ServedModel, params: dict[str, str]) -> str:
             f'max_batch_size: {int(params["max_batch"])}\nmodel_transaction_policy {{ decoupled: true }}\n'
             f"sequence_batching {{\n  max_sequence_idle_microseconds: {TEXT_STREAM_IDLE_US}\n"
             "  direct { max_queue_delay_microseconds: 0 }\n  control_input [\n" + ",\n".join(controls) + "\n  ]\n}\n")
-    text += _tensor_block("input", schema.client_inputs(m.input_specs))
+    text += _tensor_block("input", schema.client_inputs(m.input_specs, m.text_required))
     text += _tensor_block("output", schema.CLIENT_OUTPUTS)
     text += engine_placement(params)
     return text + _parameters(engine_parameters(params))
@@ -228,8 +238,11 @@ def render_front(m: ServedModel, params: dict[str, str]) -> str:
     and sends encoded audio (front_model.py says why not an ensemble, nor BLS). `engine_model` names the model
     whose engine gauges its streams show in (itself), `preprocess_model` where its front end's settings live."""
     return _python_model(
-        m.name, f"{m.description}: text in, a stream of encoded audio chunks out (its own engine).",
-        schema.client_inputs(m.input_specs), schema.CLIENT_OUTPUTS, instances=engine_placement(params), decoupled=True,
+        m.name, f"{m.description}: " + ("a turn (text and/or audio) in, the reply's text and encoded audio chunks "
+                                        "out" if m.text_output else "text in, a stream of encoded audio chunks out")
+        + " (its own engine).",
+        schema.client_inputs(m.input_specs, m.text_required), schema.client_outputs(m.text_output),
+        instances=engine_placement(params), decoupled=True,
         params={**engine_parameters(params), "preprocess_model": m.preprocess, "engine_model": m.name})
 
 
@@ -260,16 +273,19 @@ def render_all(overrides: dict[str, str] | None = None, models: list[str] | None
     configs = {}
     for m in served:
         params = m.params(overrides)
+        if codec_instances(params) and not registry.get_kind(m.name).model.codec_stage:
+            raise ValueError(f"{m.name} cannot have a codec stage (codec_instances): its codec state does not go "
+                             "over the codec wire")
         configs[m.preprocess] = _python_model(
             m.preprocess, f"{m.description}: text, {', '.join(s.name for s in m.input_specs)}, sampling -> "
             "validated prompt ids and sampling fields.",
-            schema.client_inputs(m.input_specs), schema.preprocess_outputs(m.conditioning),
+            schema.client_inputs(m.input_specs, m.text_required), schema.preprocess_outputs(m.conditioning),
             instances=instance_group(m.preprocess_instances),
             params={k: params[k] for k in ("checkpoint", "codec", "default_checkpoint", "frontend_loader",
                                            "model_kind")})
         configs[m.engine] = _python_model(
             m.engine, f"{m.description}: the engine, one per instance; streams float audio chunks.",
-            schema.engine_inputs(m.input_specs, m.conditioning), schema.ENGINE_OUTPUTS,
+            schema.engine_inputs(m.input_specs, m.conditioning), schema.engine_outputs(m.text_output),
             instances=engine_placement(params), decoupled=True, params=engine_parameters(params))
         configs[m.name] = render_front(m, params)
         if m.text_streaming:

@@ -140,6 +140,8 @@ class SpeechModel:
     voices: tuple[str, ...] = ()
     request_inputs: tuple[TensorSpec, ...] = ()  # the model's own request inputs beyond TEXT and sampling
     text_streaming: bool = False  # text may keep arriving after submission (Engine.append_text)
+    text_required: bool = True  # False: a request may come without text (a spoken-dialogue model's audio turn)
+    codec_stage: bool = True  # its windows (codec state included) can go over the codec wire to a codec stage
     # per-request arrays prepare() computes for the codec (Prompt.conditioning, keyed by arg); the Triton glue
     # carries them from the preprocess to the engine under these names
     conditioning: tuple[TensorSpec, ...] = ()

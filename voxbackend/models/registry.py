@@ -96,10 +96,12 @@ KINDS: dict[str, ModelKind] = {k.name: k for k in (
         served="Chatterbox-Turbo (GPT-2 medium T3 LM, S3Gen meanflow + HiFT 24 kHz, voice cloning)",
     ),
     ModelKind(
-        # not served through Triton yet (no TEXT_OUT in the glue): the engine runs it, text and speech out
+        # frontend: chat template, voices and spectrograms; the audio encoder runs in the engine (engine_features)
         name="step_audio2", detect=step_audio2.is_step_audio2_config, model=step_audio2.StepAudio2,
         frontend=step_audio2.StepAudio2Frontend,
         tiny_checkpoint="voxbackend.models.step_audio2.tiny:ensure_default_step_audio2",
+        served="Step-Audio 2 mini (Whisper-style audio encoder, Qwen2.5 LM answering in text and speech, DiT flow + "
+               "HiFT 24 kHz)",
     ),
     ModelKind(name="token_lm", detect=token_lm.is_token_lm_config, model=token_lm.TokenLM),
 )}

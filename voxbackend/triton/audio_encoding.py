@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from voxbackend.triton.schema import AUDIO_FORMATS, CHUNK_META
+from voxbackend.triton.schema import AUDIO_FORMATS, CHUNK_META, TEXT_OUT
 
 SAMPLE_DTYPES = {"pcm16": np.dtype("<i2"), "fp32": np.dtype("<f4")}
 
@@ -32,5 +32,8 @@ def client_outputs(engine: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     response crashed a stub ("free(): double free") once a client died mid-stream."""
     fmt = engine["AUDIO_FORMAT"].reshape(-1)[0]
     data = encode(engine["AUDIO"], fmt.decode() if isinstance(fmt, bytes) else str(fmt))
-    return {"AUDIO": np.array([data], dtype=np.object_),
-            **{spec.name: np.array(engine[spec.name], copy=True) for spec in CHUNK_META}}
+    out = {"AUDIO": np.array([data], dtype=np.object_),
+           **{spec.name: np.array(engine[spec.name], copy=True) for spec in CHUNK_META}}
+    if TEXT_OUT.name in engine:
+        out[TEXT_OUT.name] = np.array(engine[TEXT_OUT.name], copy=True)
+    return out

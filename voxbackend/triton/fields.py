@@ -58,7 +58,7 @@ def text_and_voice(get: Getter) -> tuple[str, str | None]:
 
 def prepare_request(get: Getter, model, specs: tuple[TensorSpec, ...]) -> list:
     """TEXT and the model's own inputs (SpeechModel.request_inputs) -> model.prepare(...) -> prompt ids or rows."""
-    text = text_field(get)
+    text = text_field(get) if getattr(model, "text_required", True) else string_field(get, "TEXT")
     kwargs = prepare_kwargs(get, specs)
     try:
         return model.prepare(text, **kwargs)
@@ -99,6 +99,11 @@ def _scalar(spec: TensorSpec, value: np.ndarray):
         return bytes(item) or None
     if spec.dtype == "STRING":
         return string_field(lambda _: value, spec.name) or None
+    if spec.dtype == "BOOL":
+        item = _single(spec.name, value)
+        if not isinstance(item, (bool, np.bool_)):
+            raise InvalidRequest(f"{spec.name} must be BOOL, got {value.dtype}", field=engine_field(spec.name))
+        return bool(item)
     return _numbers(spec, np.asarray(_single(spec.name, value)).reshape(1))[0]
 
 

@@ -44,6 +44,8 @@ _FORMAT_SPEC = TensorSpec("AUDIO_FORMAT", "STRING", optional=True, doc='"pcm16" 
 
 _TEXT_SPEC = TensorSpec("TEXT", "STRING", optional=True,
                         doc="UTF-8 text to speak; required (optional here so a missing TEXT gets our clear error)")
+_TURN_TEXT_SPEC = TensorSpec("TEXT", "STRING", optional=True,
+                             doc="UTF-8: the user's turn in text; send TEXT, the model's audio input or both")
 
 # Set by the preprocess, so only streams of a caller that chains it to the engine by BLS get probes
 # (see cancel_channel).
@@ -52,10 +54,10 @@ _PROBE_DOC = ("true: while the stream has nothing to send (e.g. queued), the eng
               "every probe")
 
 
-def client_inputs(model_inputs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+def client_inputs(model_inputs: tuple[TensorSpec, ...], text_required: bool = True) -> tuple[TensorSpec, ...]:
     """What a client sends to the front model (and may send to the engine model directly); `model_inputs` are the
-    served model's own (`SpeechModel.request_inputs`)."""
-    return (_TEXT_SPEC, *model_inputs, *_SAMPLING_SPECS, _FORMAT_SPEC)
+    served model's own (`SpeechModel.request_inputs`); text_required False: a model that may take audio instead."""
+    return (_TEXT_SPEC if text_required else _TURN_TEXT_SPEC, *model_inputs, *_SAMPLING_SPECS, _FORMAT_SPEC)
 
 
 def engine_inputs(model_inputs: tuple[TensorSpec, ...],
@@ -112,6 +114,19 @@ CLIENT_OUTPUTS = (
                "(int16 for pcm16, float32 for fp32)"),
     *CHUNK_META,
 )
+
+# A model that answers in text and speech (SpeechModel.text_output) sends its reply's text in responses of their
+# own, in order with the audio chunks: AUDIO empty, CHUNK_INDEX the index the next audio chunk will have.
+TEXT_OUT = TensorSpec("TEXT_OUT", "STRING", doc="UTF-8: the reply's text since the previous text response (whole "
+                      "characters); empty on audio chunks and the final response")
+
+
+def engine_outputs(text_output: bool = False) -> tuple[TensorSpec, ...]:
+    return (*ENGINE_OUTPUTS, TEXT_OUT) if text_output else ENGINE_OUTPUTS
+
+
+def client_outputs(text_output: bool = False) -> tuple[TensorSpec, ...]:
+    return (*CLIENT_OUTPUTS, TEXT_OUT) if text_output else CLIENT_OUTPUTS
 
 
 _NUMPY_TYPES = {"FP32": np.float32, "INT32": np.int32, "INT64": np.int64}

@@ -63,6 +63,7 @@ class Stream:
     stream_id: str = ""  # sent with every response (see cancel_channel)
     seed: int = 0  # the request's sampling seed, returned with every response
     probes: bool = False  # a BLS caller's stream: probe while there is nothing to send (see cancel_channel)
+    text_output: bool = False  # the model answers in text too: every response carries TEXT_OUT
     last_sent: float | None = None  # clock time of the last response (None: none yet)
     chunks: int = 0
     first_sent: float | None = None
@@ -230,6 +231,10 @@ class ResponseLoop:
             return  # already closed (e.g. by the cancel watchdog)
         if item.kind is EventKind.AUDIO:
             self._send_audio(stream, item)
+        elif item.kind is EventKind.TEXT:
+            empty = np.zeros(0, dtype=np.float32)
+            self._safe_send(stream, self._outputs(stream, empty, stream.chunks, final=False, reason="",
+                                                  text=item.text), None, final=False)
         elif item.kind is EventKind.FINISHED:
             self._finish(stream, item.finish_reason or "stop")
         else:
@@ -271,8 +276,9 @@ class ResponseLoop:
         else:
             self._safe_send(s, None, message, final=True)
 
-    def _outputs(self, s: Stream, audio: np.ndarray, index: int, final: bool, reason: str) -> dict[str, np.ndarray]:
-        return {
+    def _outputs(self, s: Stream, audio: np.ndarray, index: int, final: bool, reason: str,
+                 text: str = "") -> dict[str, np.ndarray]:
+        out = {
             "AUDIO": audio,
             "SAMPLE_RATE": np.array([s.sample_rate], dtype=np.int32),
             "CHUNK_INDEX": np.array([index], dtype=np.int32),
@@ -282,6 +288,9 @@ class ResponseLoop:
             "STREAM_ID": np.array([s.stream_id.encode()], dtype=np.object_),
             "SEED_USED": np.array([s.seed], dtype=np.int64),
         }
+        if s.text_output:
+            out["TEXT_OUT"] = np.array([text.encode()], dtype=np.object_)
+        return out
 
     def _safe_send(self, s: Stream, outputs, error: str | None, final: bool) -> None:
         s.last_sent = self.clock()

@@ -5,7 +5,7 @@ placeholder rows) and answers with text ids interleaved with audio ids (S3 codes
 `StepAudio2Frontend` (the preprocess) holds no weights: the chat template, the voices, and the clips cut into 25 s
 pieces and turned into spectrograms. `StepAudio2` adds the audio encoder, which runs in the engine on its device, in
 one batch for the requests admitted together (engine_features), the LM and the codec. The reply's text goes out as
-TEXT events in order with its audio. Not served through Triton yet: the glue carries no text (TEXT_OUT) so far.
+TEXT events in order with its audio (TEXT_OUT through Triton).
 """
 from __future__ import annotations
 
@@ -50,6 +50,9 @@ class StepAudio2Frontend(SpeechModel):
     request_inputs = (
         TensorSpec("INPUT_AUDIO", "STRING", optional=True, arg="audio", kind="audio",
                    doc="the user's spoken turn: a WAV/FLAC/OGG clip of at most 60 s (any rate: resampled to 16 kHz)"),
+        TensorSpec("VOICE", "STRING", optional=True, arg="voice",
+                   doc="the voice the reply is spoken in (a voices/ file of the checkpoint); default: \"default\""),
+        TensorSpec("SPEAK", "BOOL", optional=True, arg="speak", doc="false: a text reply only, no audio; default true"),
         TensorSpec("SYSTEM_PROMPT", "STRING", optional=True, arg="system", doc="the system prompt (none if absent)"),
         TensorSpec("HISTORY_ROLE", "STRING", (-1,), optional=True, arg="role", segment="history",
                    doc="earlier turns, oldest first: user or assistant, one per turn"),
@@ -73,6 +76,8 @@ class StepAudio2Frontend(SpeechModel):
                    doc="the voice's speaker vector"),
     )
     engine_features = True
+    text_required = False  # TEXT, INPUT_AUDIO or both: the user's turn
+    codec_stage = False  # ReplyAudio holds the request's streaming flow decoder (modules and caches), not wire data
 
     def __init__(self, model_dir: str | Path, codec_dir: str | Path | None = None):
         model_dir = Path(model_dir)

@@ -1,0 +1,2 @@
+"""step_audio2: what clients call; hosts its own engine and sends encoded audio."""
+from voxbackend.triton.front_model import FrontModel as TritonPythonModel  # noqa: F401

@@ -1,0 +1,212 @@
+"""Step-Audio 2 through Triton end to end: the committed step_audio2, step_audio2_engine and step_audio2_preprocess
+folders unchanged, on the run's shared committed-repository server (tests/conftest.py).
+
+No checkpoint is configured, so the engine models build the tiny default Step-Audio 2 themselves (in the test run's
+VOXBACKEND_CACHE); the reference engine in this process loads that same checkpoint. Each conversation's reply comes
+back as TEXT_OUT pieces and audio chunks on one stream; both must be what the engine gives the same request alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import soundfile as sf  # noqa: E402
+import tritonclient.grpc as tritonclient  # noqa: E402
+
+from voxbackend.events import EventKind  # noqa: E402
+from voxbackend.stream_client import make_inputs, stream_request  # noqa: E402
+from tests.triton_util import COMMITTED, assert_matches, run_concurrently  # noqa: E402
+
+MAX_TOKENS = 64  # text and audio ids together: up to two token2wav chunks of audio
+RATE = 24000
+SYSTEM = "You are a friendly voice assistant. Answer briefly."
+
+
+def wav(seconds: float, rate: int, seed: int, channels: int = 1) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    noise = np.random.default_rng(seed).standard_normal(t.size)
+    audio = (0.3 * np.sin(2 * np.pi * (150 + 40 * seed) * t) + 0.05 * noise).astype(np.float32)
+    buf = io.BytesIO()
+    sf.write(buf, np.stack([audio] * channels, axis=1) if channels > 1 else audio, rate, format="WAV",
+             subtype="PCM_16")
+    return buf.getvalue()
+
+
+@dataclasses.dataclass
+class Turn:
+    text: str | None = None
+    audio: bytes | None = None
+    system: str | None = None
+    history: list[dict] | None = None
+    speak: bool | None = None
+    fmt: str = "fp32"
+    seed: int = 0
+    max_tokens: int = MAX_TOKENS
+
+    def inputs(self) -> list:
+        return make_inputs(self.text, None, self.fmt, input_audio=self.audio, system_prompt=self.system,
+                           history=self.history, speak=self.speak, MAX_TOKENS=self.max_tokens, SEED=self.seed)
+
+    def prepare_options(self) -> dict:
+        history = [{k: v for k, v in turn.items() if v is not None and v != ""} for turn in self.history or []]
+        return {"audio": self.audio, "system": self.system, "history": history or None,
+                "speak": self.speak if self.speak is not None else True}
+
+
+HISTORY = [{"role": "user", "text": "Hi, can you hear me?", "audio": wav(0.8, 16000, 20)},
+           {"role": "assistant", "text": "Yes, loud and clear."}]
+CONVERSATIONS = [
+    Turn(audio=wav(1.5, 16000, 1), seed=100, fmt="pcm16"),
+    Turn("What is this sound?", wav(1.0, 24000, 2), seed=101),
+    Turn("Tell me a short story.", seed=102),
+    Turn(audio=wav(2.0, 44100, 3, channels=2), system=SYSTEM, seed=103, fmt="pcm16"),
+    Turn("And what about tomorrow?", history=HISTORY, system=SYSTEM, seed=104),
+    Turn(audio=wav(0.6, 8000, 4), history=[{"role": "user", "text": "Good morning."},
+                                           {"role": "assistant", "text": "Good morning to you."}], seed=105),
+    Turn("Please answer in text only.", speak=False, seed=106),
+    Turn("One more question.", wav(1.2, 22050, 5), system=SYSTEM, seed=107, fmt="pcm16"),
+]
+
+pytestmark = pytest.mark.xdist_group(COMMITTED)
+
+
+@dataclasses.dataclass
+class Reply:
+    audio: np.ndarray
+    text_pieces: list[str]
+
+
+@pytest.fixture(scope="module")
+def server(committed_server):
+    return committed_server
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    """The engine in this process, on the checkpoint the server built: each conversation alone."""
+    import voxbackend
+    from voxbackend.models.step_audio2.tiny import ensure_default_step_audio2
+
+    model_dir, _ = ensure_default_step_audio2()  # the server's build (the run's cache)
+    engine = voxbackend.load(model_dir)
+    engine.start()
+
+    def reply(turn: Turn) -> Reply:
+        sampling = dataclasses.replace(engine.model.default_sampling(), max_tokens=turn.max_tokens, seed=turn.seed)
+        events, done = [], threading.Event()
+
+        def on_event(e) -> None:
+            events.append(e)
+            if e.final:
+                done.set()
+
+        engine.submit(engine.model.prepare(turn.text, **turn.prepare_options()), sampling, on_event)
+        assert done.wait(240), "the reference engine did not finish"
+        assert events[-1].kind is EventKind.FINISHED, events[-1].error
+        audio = [e.audio for e in events if e.kind is EventKind.AUDIO]
+        return Reply(np.concatenate(audio) if audio else np.zeros(0, np.float32),
+                     [e.text for e in events if e.kind is EventKind.TEXT])
+
+    try:
+        yield reply
+    finally:
+        engine.shutdown()
+
+
+def assert_reply(out, expected: Reply, fmt: str, what: str) -> None:
+    assert [piece for _, _, piece in out.text_pieces] == expected.text_pieces, f"{what}: text pieces"
+    # in order with the audio: a text piece says how many audio chunks came before it, and so many had
+    before = [sum(t_chunk <= t for t_chunk in out.arrivals) for t, _, _ in out.text_pieces]
+    assert [index for _, index, _ in out.text_pieces] == before, f"{what}: text out of order with the audio"
+    if expected.audio.size:
+        assert_matches(out, expected.audio, fmt, what, RATE, atol=1e-4)
+    else:
+        assert out.error is None and out.finish_reason in ("stop", "length") and not out.chunks, what
+
+
+def test_8_concurrent_conversations_match_the_engine(server, reference):
+    jobs = [lambda c=c, i=i: stream_request(server.grpc_url, "step_audio2", c.inputs(), c.fmt, timeout=240,
+                                            request_id=f"sa{i}") for i, c in enumerate(CONVERSATIONS)]
+    outs = run_concurrently(jobs)
+    spoken = 0
+    for i, (turn, out) in enumerate(zip(CONVERSATIONS, outs)):
+        expected = reference(turn)
+        assert_reply(out, expected, turn.fmt, f"conversation {i}")
+        spoken += bool(expected.audio.size)
+    assert spoken >= 6, "the tiny model's replies carry audio"
+    assert sum(bool(out.text) for out in outs) >= 6, "and text"
+
+
+def test_the_engine_model_and_the_preprocess_chained_to_it(server, reference):
+    """step_audio2_engine prepares a turn itself; or takes the preprocess's prompt ids and spectrograms."""
+    turn = dataclasses.replace(CONVERSATIONS[1], seed=200)
+    expected = reference(turn)
+    out = stream_request(server.grpc_url, "step_audio2_engine", turn.inputs(), turn.fmt, timeout=240)
+    assert_reply(out, expected, turn.fmt, "step_audio2_engine")
+    client = tritonclient.InferenceServerClient(server.grpc_url)
+    try:
+        prepared = client.infer("step_audio2_preprocess", turn.inputs())
+    finally:
+        client.close()
+    assert prepared.as_numpy("AUDIO_MELS").shape[0] == 128 and prepared.as_numpy("AUDIO_MEL_FRAMES").size == 1
+    names = ("PROMPT_IDS", "AUDIO_MELS", "AUDIO_MEL_FRAMES", "PROMPT_SPEECH_TOKENS", "PROMPT_FEAT",
+             "SPEAKER_EMBEDDING", "MAX_TOKENS", "SEED", "TEMPERATURE", "TOP_P", "REPETITION_PENALTY", "AUDIO_FORMAT")
+    chained = []
+    for name in names:
+        value = prepared.as_numpy(name)
+        t = tritonclient.InferInput(name, list(value.shape), prepared.get_output(name).datatype)
+        t.set_data_from_numpy(value)
+        chained.append(t)
+    out = stream_request(server.grpc_url, "step_audio2_engine", chained, turn.fmt, timeout=240)
+    assert_reply(out, expected, turn.fmt, "preprocess -> engine")
+
+
+def _tensor(name: str, value: np.ndarray, dtype: str):
+    t = tritonclient.InferInput(name, list(value.shape), dtype)
+    t.set_data_from_numpy(value)
+    return t
+
+
+BAD = {
+    "no audio and no text": (make_inputs(None, MAX_TOKENS=8), "TEXT: give text, audio or both"),
+    "unreadable clip": (make_inputs(None, input_audio=b"RIFF not really a wav"),
+                        "INPUT_AUDIO is not a readable audio file"),
+    "clip over the limit": (make_inputs("Hi", input_audio=wav(61, 8000, 6)),
+                            "INPUT_AUDIO is 61.00 s; the limit is 60 s"),
+    "history too long": (make_inputs("Hi", history=[{"role": "user", "text": "a"}] * 33),
+                         "history has 33 turns; the limit is 32"),
+    "a history turn with no role": (make_inputs("Hi", history=[{"role": "narrator", "text": "a"}]),
+                                    "HISTORY_ROLE[0] must be user or assistant"),
+    "history lists of different lengths": (
+        [*make_inputs("Hi", history=[{"role": "user", "text": "a"}]),
+         _tensor("HISTORY_TEXT", np.array([b"a", b"b"], dtype=np.object_), "BYTES")], "HISTORY_TEXT"),
+    "unknown voice": (make_inputs("Hi", "nobody"), "unknown voice 'nobody'"),
+    "SPEAK as a number": ([*make_inputs("Hi"), _tensor("SPEAK", np.array([1], np.int32), "INT32")],
+                          "SPEAK"),
+}
+
+
+def test_bad_turns_are_refused_naming_the_field_while_a_conversation_plays(server, reference):
+    playing = dataclasses.replace(CONVERSATIONS[0], seed=300)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(out=stream_request(
+        server.grpc_url, "step_audio2", playing.inputs(), playing.fmt, timeout=240)))
+    thread.start()
+    failures = []
+    for model in ("step_audio2", "step_audio2_engine"):
+        for name, (inputs, message) in BAD.items():
+            out = stream_request(server.grpc_url, model, inputs, timeout=60, linger_s=0.2)
+            if not (out.error and message in out.error and out.responses == 1 and not out.chunks):
+                failures.append(f"{model} / {name}: error={out.error!r} responses={out.responses}")
+    thread.join()
+    assert not failures, "\n".join(failures)
+    assert_reply(result["out"], reference(playing), playing.fmt, "the conversation beside the refusals")
