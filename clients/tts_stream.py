@@ -67,20 +67,24 @@ def add_request_args(ap: argparse.ArgumentParser) -> None:
                     help="csm: a context segment's audio file, WAV/FLAC/OGG at any rate (repeat, one per text)")
     ap.add_argument("--context-speaker", action="append", type=int, default=[],
                     help="csm: a context segment's speaker (repeat; default: --speaker or 0 for each)")
+    add_sampling_args(ap)
+    ap.add_argument("--cfg-weight", type=float, help="chatterbox: classifier-free guidance weight, [0, 10]; 0 = off")
+    ap.add_argument("--exaggeration", type=float, help="chatterbox: emotion exaggeration, [0, 2]")
+
+
+def add_sampling_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--temperature", type=float)
     ap.add_argument("--top-p", type=float)
     ap.add_argument("--top-k", type=int)
     ap.add_argument("--min-p", type=float)
     ap.add_argument("--repetition-penalty", type=float)
     ap.add_argument("--max-tokens", type=int)
-    ap.add_argument("--cfg-weight", type=float, help="chatterbox: classifier-free guidance weight, [0, 10]; 0 = off")
-    ap.add_argument("--exaggeration", type=float, help="chatterbox: emotion exaggeration, [0, 2]")
 
 
 def sampling_fields(a: argparse.Namespace) -> dict[str, float | int | None]:
     """The sampling flags as request fields (None: the model's default)."""
     return {"TEMPERATURE": a.temperature, "TOP_P": a.top_p, "TOP_K": a.top_k, "MIN_P": a.min_p,
-            "REPETITION_PENALTY": a.repetition_penalty, "CFG_WEIGHT": a.cfg_weight}
+            "REPETITION_PENALTY": a.repetition_penalty, "CFG_WEIGHT": getattr(a, "cfg_weight", None)}
 
 
 def main(argv: list[str] | None = None) -> int:

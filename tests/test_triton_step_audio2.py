@@ -210,3 +210,23 @@ def test_bad_turns_are_refused_naming_the_field_while_a_conversation_plays(serve
     thread.join()
     assert not failures, "\n".join(failures)
     assert_reply(result["out"], reference(playing), playing.fmt, "the conversation beside the refusals")
+
+
+def test_the_voice_chat_client_prints_the_reply_text_and_writes_its_speech(server, reference, tmp_path, capsys):
+    from clients import voice_chat
+
+    question, earlier = tmp_path / "question.wav", tmp_path / "earlier.wav"
+    question.write_bytes(wav(1.1, 16000, 8))
+    earlier.write_bytes(wav(0.7, 16000, 9))
+    code = voice_chat.main(["--url", server.grpc_url, "--audio", str(question), "--system", SYSTEM,
+                            "--history", f"user@{earlier}", "--history", "assistant: It is a tone.",
+                            "--seed", "500", "--max-tokens", str(MAX_TOKENS), "--out", str(tmp_path / "reply.wav")])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    expected = reference(Turn(audio=question.read_bytes(), system=SYSTEM, seed=500, history=[
+        {"role": "user", "audio": earlier.read_bytes()}, {"role": "assistant", "text": "It is a tone."}]))
+    assert expected.audio.size and expected.text_pieces
+    assert printed.startswith("reply: " + "".join(expected.text_pieces) + "\n"), printed
+    audio, rate = sf.read(tmp_path / "reply.wav", dtype="float32")
+    assert rate == RATE and audio.size == expected.audio.size
+    np.testing.assert_allclose(audio, np.clip(expected.audio, -1, 1), atol=1e-4 + 1 / 32767)
