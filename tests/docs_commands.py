@@ -144,7 +144,7 @@ PLANS: list[tuple[str, Plan]] = [
     (r"^bash scripts/demo\.sh", Plan(RUN, budget_s=300)),
     (r"^voxbackend (configs|make-checkpoint)|^python -m voxbackend\.models\.\w+\.tiny |perf/reliability\.py --list",
      Plan(RUN, budget_s=120)),
-    (r"clients\.tts_stream|voxbackend\.api\.speak|perf/text_stream_ttfa\.py|^voxbackend perf-analyzer",
+    (r"clients\.(tts_stream|voice_chat)|voxbackend\.api\.speak|perf/text_stream_ttfa\.py|^voxbackend perf-analyzer",
      Plan(CLIENT, budget_s=120)),
     (r"^chromium ", Plan(CLIENT, budget_s=60)),  # 1-10 s; a hang (it was seen with --virtual-time-budget) fails sooner
 ]
@@ -205,7 +205,8 @@ def scratch_folder(path: Path) -> Path:
             (path / "perf" / entry.name).symlink_to(entry)
     (path / "perf" / "results").mkdir()
     rng = np.random.default_rng(0)
-    for name, seconds, rate in [("me.wav", 3.0, 16000), ("turn1.wav", 1.0, 24000), ("turn2.wav", 1.0, 24000)]:
+    for name, seconds, rate in [("me.wav", 3.0, 16000), ("turn1.wav", 1.0, 24000), ("turn2.wav", 1.0, 24000),
+                                ("question.wav", 1.5, 16000)]:
         t = np.arange(int(seconds * rate)) / rate  # a voiced hum: cloning front ends need a clip, not a voice
         hum = 0.3 * np.sin(2 * np.pi * 140 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))
         sf.write(path / name, (hum + 0.02 * rng.standard_normal(t.size)).astype(np.float32), rate)
