@@ -95,7 +95,16 @@ def tensor_bytes(obj, seen=None) -> int:
     return tensor_bytes(vars(obj), seen) if hasattr(obj, "__dict__") else 0
 
 
-@pytest.mark.parametrize("name", SERVED)
+def test_a_model_whose_codec_state_holds_its_decoder_gets_no_codec_stage():
+    """Step-Audio 2's per-request state is its streaming flow (modules and caches): refused where it is configured."""
+    from voxbackend.deploy import configs
+
+    assert [n for n in SERVED if not KINDS[n].model.codec_stage] == ["step_audio2"]
+    with pytest.raises(ValueError, match="step_audio2 cannot have a codec stage"):
+        configs.render_all({"codec_instances": "1"}, ["step_audio2"])
+
+
+@pytest.mark.parametrize("name", [n for n in SERVED if KINDS[n].model.codec_stage])  # the others: test above
 def test_the_stage_loads_the_codec_without_the_lm_and_decodes_the_same_windows(name):
     """What `<model>_codec` loads (load_model(lm=False)) holds no LM weights and decodes a stream's windows, as
     they went over the wire, into the full model's audio (the models of the test above decode there)."""

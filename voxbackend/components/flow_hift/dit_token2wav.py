@@ -140,8 +140,9 @@ class DiTToken2Wav:
     @torch.inference_mode()
     def decode_chunk(self, state: DiTToken2WavState, tokens, last_chunk: bool = False) -> torch.Tensor:
         """tokens: (N,) the chunk's tokens, followed by lookahead_tokens lookahead tokens unless last_chunk.
-        Returns the chunk's audio (samples,), float32 on the CPU: 480 samples per new mel frame (2 per token),
-        the held-back HiFT overlap moving from one chunk to the next; the last chunk returns the overlap too."""
+        Returns the chunk's audio (samples,), float32 on the codec's device: 480 samples per new mel frame (2 per
+        token), the held-back HiFT overlap moving from one chunk to the next; the last chunk returns the overlap
+        too."""
         if state.done:
             raise RuntimeError("the utterance's last chunk has been decoded")
         tokens = torch.as_tensor(tokens, dtype=torch.long).flatten()
@@ -186,7 +187,7 @@ class DiTToken2Wav:
             speech = cross_fade(speech, cache.speech, self.speech_window)
         if last_chunk:
             state.hift_cache = None
-            return speech.cpu()
+            return speech
         state.hift_cache = HiFTCache(mel[:, -self.cfg.mel_cache_frames:].clone(), source[:, -n:].clone(),
                                      speech[-n:].clone())
-        return speech[:-n].cpu()
+        return speech[:-n]

@@ -250,7 +250,7 @@ class StepAudio2(StepAudio2Frontend):
 
     def detokenize(self, jobs: list[WindowJob]) -> list[np.ndarray]:
         """One chunk per request (stateful windows go one at a time); the first starts the request's decoder, its
-        flow noise and HiFT excitation drawn from the window's seed."""
+        flow noise and HiFT excitation drawn from the window's seed. The step's audio comes to the host in one copy."""
         stream, out = self.codec.cfg, []
         for job in jobs:
             state: ReplyAudio = job.state
@@ -259,5 +259,7 @@ class StepAudio2(StepAudio2Frontend):
                 state.decoder = self.codec.start(state.prompt, torch.Generator().manual_seed(job.seed), job.seed)
             audio = self.codec.decode_chunk(state.decoder, state.codes[start:end], last_chunk=last)
             state.spoken = end if last else start + stream.chunk_tokens
-            out.append(audio.numpy().astype(np.float32, copy=False))
-        return out
+            out.append(audio)
+        host = torch.cat(out).cpu().numpy() if out else np.zeros(0, np.float32)
+        cuts = np.cumsum([a.numel() for a in out])[:-1]
+        return [part.astype(np.float32, copy=False) for part in np.split(host, cuts)]
