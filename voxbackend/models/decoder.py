@@ -1,12 +1,14 @@
-"""The decoder backbone of the Llama / Qwen2 / Qwen3 family, and GPT-2, over the paged KV pool.
+"""The decoder backbone of the Llama / Qwen2 / Qwen3 / GLM-4 family, and GPT-2, over the paged KV pool.
 
 GQA, RMSNorm, SwiGLU and rotary positions (plain, linear or Llama-3 scaled), plus what tells the family apart:
-q/k/v bias (Qwen2; any member with `attention_bias`), per-head q/k RMSNorm before RoPE (Qwen3), a tied or
-untied head and head_dim from the config. GPT-2 is the same layer with other parts, chosen by config flags:
-LayerNorm, a plain gelu(tanh) MLP, biases everywhere and learned absolute positions instead of RoPE. Loads the
-weight names of Hugging Face `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM` and `GPT2LMHeadModel` /
-`GPT2Model`; q/k/v and gate/up are fused (GPT-2's Conv1D transposed) at load time so one matmul serves each;
-attention goes through a pluggable backend (voxbackend.attention).
+q/k/v bias (Qwen2, GLM-4; any member with `attention_bias`), per-head q/k RMSNorm before RoPE (Qwen3), RoPE on
+part of each head in interleaved pairs (GLM-4), a tied or untied head and head_dim from the config. GPT-2 is the
+same layer with other parts, chosen by config flags: LayerNorm, a plain gelu(tanh) MLP, biases everywhere and
+learned absolute positions instead of RoPE. Loads the weight names of Hugging Face `LlamaForCausalLM`,
+`Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `GlmForCausalLM`, `GPT2LMHeadModel` / `GPT2Model`, and of GLM-4's own
+remote code (`model_type: chatglm`, GLM-4-Voice's checkpoint); q/k/v and gate/up are fused (GPT-2's Conv1D
+transposed) at load time so one matmul serves each; attention goes through a pluggable backend
+(voxbackend.attention).
 """
 from __future__ import annotations
 
@@ -24,12 +26,30 @@ FAMILIES = {
     "llama": dict(qkv_bias=None, o_bias=None, qk_norm=False),  # None: config.json's attention_bias
     "qwen2": dict(qkv_bias=True, o_bias=False, qk_norm=False),
     "qwen3": dict(qkv_bias=None, o_bias=None, qk_norm=True),
+    # attention_bias defaults to true; RoPE on partial_rotary_factor of each head (default 0.5), interleaved pairs
+    "glm": dict(qkv_bias=None, o_bias=False, qk_norm=False, attention_bias=True, rotary=0.5, interleaved=True),
     "gpt2": dict(qkv_bias=True, o_bias=True, qk_norm=False),  # and more: see DecoderConfig.from_gpt2
+    "chatglm": dict(qkv_bias=None, o_bias=False, qk_norm=False),  # GLM-4's remote code: see from_chatglm
 }
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "GlmForCausalLM": "glm", "ChatGLMModel": "chatglm", "ChatGLMForConditionalGeneration": "chatglm",
                  "GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2"}
 # GPT-2's activation_function -> F.gelu's approximate argument ("gelu_new" is the tanh form)
 GPT2_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+# The checkpoint layouts of the Llama layer: where the stack's tensors are under the prefix, and each fused matrix
+# of ours -> the checkpoint's tensors, concatenated in this order. The layer norms have the same names in all.
+LLAMA_LAYOUT = dict(layers="layers.", norm="norm.weight", embed="embed_tokens.weight",
+                    qkv=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), o_proj=("self_attn.o_proj",),
+                    gate_up=("mlp.gate_proj", "mlp.up_proj"), down=("mlp.down_proj",))
+LAYOUTS = {
+    "llama": LLAMA_LAYOUT,
+    "glm": {**LLAMA_LAYOUT, "gate_up": ("mlp.gate_up_proj",)},  # GlmForCausalLM: gate and up already one matrix
+    # GLM-4's remote code: q/k/v and gate/up already fused; its head is the stack's output_layer
+    "chatglm": dict(layers="encoder.layers.", norm="encoder.final_layernorm.weight",
+                    embed="embedding.word_embeddings.weight", qkv=("self_attention.query_key_value",),
+                    o_proj=("self_attention.dense",), gate_up=("mlp.dense_h_to_4h",), down=("mlp.dense_4h_to_h",)),
+}
 
 
 @dataclass
@@ -54,13 +74,17 @@ class DecoderConfig:
     mlp: str = "swiglu"  # "swiglu" (gate/up, silu) or "gelu" (one up projection: GPT-2)
     gelu_approximate: str = "tanh"  # F.gelu's approximate for mlp "gelu"
     positions: str = "rope"  # "rope" or "learned" (an absolute position table added to the input: GPT-2)
+    partial_rotary_factor: float = 1.0  # the share of head_dim RoPE rotates, from the first dim (GLM-4: 0.5)
+    rope_interleaved: bool = False  # RoPE pairs dims (2i, 2i+1) (GLM-4), not (i, i + rotary_dim/2) (Llama)
 
     @classmethod
     def from_hf(cls, cfg: dict, family: str | None = None) -> "DecoderConfig":
-        """A config.json dict; `family` (llama, qwen2, qwen3) defaults to the one its model_type names."""
+        """A config.json dict; `family` (llama, qwen2, qwen3, glm) defaults to the one its model_type names."""
         family = family or cfg.get("model_type")
         if family == "gpt2":
             return cls.from_gpt2(cfg)
+        if family == "chatglm":
+            return cls.from_chatglm(cfg)
         rules = FAMILIES.get(family, FAMILIES["llama"])
         if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ()):
             raise ValueError("sliding-window attention layers are not supported (use_sliding_window / layer_types)")
@@ -68,7 +92,9 @@ class DecoderConfig:
         # transformers >= 5 writes "rope_parameters" (theta inside); older checkpoints rope_theta + rope_scaling
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
-        attention_bias = bool(cfg.get("attention_bias", False))
+        # GLM's partial rotary, inside rope_parameters (transformers >= 5) or beside it; the others rotate all dims
+        partial = rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor")
+        attention_bias = bool(cfg.get("attention_bias", rules.get("attention_bias", False)))
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -86,6 +112,42 @@ class DecoderConfig:
             o_bias=attention_bias if rules["o_bias"] is None else rules["o_bias"],
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=rules["qk_norm"],
+            partial_rotary_factor=(partial or rules["rotary"]) if "rotary" in rules else 1.0,
+            rope_interleaved=rules.get("interleaved", False),
+        )
+
+    @classmethod
+    def from_chatglm(cls, cfg: dict) -> "DecoderConfig":
+        """The config of GLM-4's own remote code (ChatGLMConfig; ChatGLM2/3 share it): the GLM layer under other
+        names. RoPE covers the first half of each head (kv_channels // 2 dims, interleaved pairs; `original_rope`
+        names no other layout there), base 10000 * rope_ratio."""
+        if "padded_vocab_size" not in cfg:
+            raise ValueError("a chatglm config without padded_vocab_size (the first ChatGLM-6B) is not supported")
+        # the variants whose layer is not GLM-4's: LayerNorm, no final norm, the residual taken after the norm
+        unsupported = {"rmsnorm": False, "post_layer_norm": False, "apply_residual_connection_post_layernorm": True}
+        for key, value in unsupported.items():
+            if cfg.get(key, not value) == value:
+                raise ValueError(f"chatglm config with {key}={value} is not supported")
+        heads = cfg["num_attention_heads"]
+        linear_bias = bool(cfg.get("add_bias_linear", False))
+        return cls(
+            vocab_size=cfg["padded_vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["ffn_hidden_size"],
+            num_layers=cfg["num_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg["multi_query_group_num"] if cfg.get("multi_query_attention", True) else heads,
+            head_dim=cfg.get("kv_channels") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("layernorm_epsilon", 1e-5),
+            rope_theta=10000.0 * cfg.get("rope_ratio", 1),
+            rope_scaling=None,
+            max_position_embeddings=cfg.get("seq_length", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=bool(cfg.get("add_qkv_bias", False)),
+            o_bias=linear_bias,
+            mlp_bias=linear_bias,
+            partial_rotary_factor=0.5,
+            rope_interleaved=True,
         )
 
     @classmethod
@@ -122,6 +184,10 @@ class DecoderConfig:
             norm="layer", mlp="gelu", gelu_approximate=GPT2_GELU[act], positions="learned",
         )
 
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def geometry(self) -> LMGeometry:
         return LMGeometry(
             num_layers=self.num_layers,
@@ -134,8 +200,8 @@ class DecoderConfig:
 
 
 def decoder_family(hf_config: dict) -> str | None:
-    """llama, qwen2, qwen3 or gpt2 for a plain causal-LM checkpoint of the family, else None. `architectures` may be
-    null (a config written from a `to_dict()`): model_type decides then."""
+    """llama, qwen2, qwen3, glm, chatglm or gpt2 for a plain causal-LM checkpoint of the family, else None.
+    `architectures` may be null (a config written from a `to_dict()`): model_type decides then."""
     for arch in hf_config.get("architectures") or ():
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch]
@@ -153,7 +219,8 @@ def eos_ids(hf_config: dict) -> tuple[int, ...]:
 
 
 def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    dim = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
@@ -189,10 +256,17 @@ def make_norm(cfg: DecoderConfig, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=cfg.rms_norm_eps) if cfg.norm == "layer" else RMSNorm(dim, cfg.rms_norm_eps)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dims of each head (partial rotary: the rest pass through), pairing dim i
+    with i + half (Llama) or, interleaved, 2i with 2i+1 (GLM-4)."""
+    dim = cos.shape[-1]
+    rot, rest = x[..., :dim], x[..., dim:]
+    if interleaved:
+        rotated = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        rotated = torch.cat((-rot[..., dim // 2:], rot[..., :dim // 2]), dim=-1)
+    out = rot * cos + rotated * sin
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
 class DecoderLayer(nn.Module):
@@ -222,7 +296,7 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(q, cos, sin, cfg.rope_interleaved), apply_rope(k, cos, sin, cfg.rope_interleaved)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
         attn = attention.attend(self.index, q, k, v).reshape(t, q_size)
         x = x + self.o_proj(attn)
@@ -260,7 +334,8 @@ class Decoder(nn.Module):
             cos = sin = None
         else:
             freqs = positions[:, None].float() * self.inv_freq[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
+            # laid out as apply_rope pairs the dims: each angle twice in a row, or the halves repeated
+            emb = freqs.repeat_interleave(2, dim=-1) if self.cfg.rope_interleaved else torch.cat((freqs, freqs), -1)
             cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, attention)
@@ -272,25 +347,27 @@ class Decoder(nn.Module):
     def load_hf_weights(self, weights: dict[str, torch.Tensor], prefix: str | None = None) -> None:
         """Copy HF *ForCausalLM tensors in, fusing q/k/v and gate/up. `prefix` names the decoder stack
         ("backbone_model." and "depth_decoder.model." in a CSM checkpoint, "tfmr." in Chatterbox's T3); None: the
-        family's own ("model.", GPT-2's "transformer." or "" for a bare GPT2Model). The head is always
-        "lm_head.weight"."""
+        layout's own ("model.", GPT-2's "transformer." or "" for a bare GPT2Model, ChatGLM's "transformer."). The
+        head is "lm_head.weight" (ChatGLM's: the stack's "output_layer.weight")."""
         def take(name: str) -> torch.Tensor:
             if name not in weights:
                 raise KeyError(f"checkpoint is missing weight {name!r}")
             return weights[name]
 
         cfg = self.cfg
-        gpt2 = cfg.positions == "learned"
-        if prefix is None:
-            prefix = ("transformer." if "transformer.wpe.weight" in weights else "") if gpt2 else "model."
-        sd = self._gpt2_layers(take, prefix) if gpt2 else self._llama_layers(take, prefix)
+        layout, prefix = self._layout(weights, prefix)
+        if layout == "gpt2":
+            sd, embed = self._gpt2_layers(take, prefix), "wte.weight"
+        else:
+            sd, embed = self._llama_layers(take, prefix, LAYOUTS[layout]), LAYOUTS[layout]["embed"]
         if self.embed is not None:
-            sd["embed.weight"] = take(prefix + ("wte.weight" if gpt2 else "embed_tokens.weight"))
+            sd["embed.weight"] = take(prefix + embed)
         if self.lm_head is not None:
-            head = weights.get("lm_head.weight")
+            head_name = prefix + "output_layer.weight" if layout == "chatglm" else "lm_head.weight"
+            head = weights.get(head_name)
             if head is None:
                 if not cfg.tie_word_embeddings or self.embed is None:
-                    raise KeyError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+                    raise KeyError(f"checkpoint has no {head_name} and tie_word_embeddings is false")
                 head = sd["embed.weight"]
             sd["lm_head.weight"] = head
         tied = self.lm_head is not None and self.embed is not None and sd["lm_head.weight"] is sd["embed.weight"]
@@ -303,20 +380,25 @@ class Decoder(nn.Module):
         if missing:
             raise KeyError(f"weights not loaded: {sorted(missing)}")
 
-    def _llama_layers(self, take, prefix: str) -> dict[str, torch.Tensor]:
+    def _layout(self, weights: dict[str, torch.Tensor], prefix: str | None) -> tuple[str, str]:
+        """(layout, prefix) of a checkpoint: GPT-2's by the config, a LAYOUTS entry by the tensors' names."""
+        if self.cfg.positions == "learned":
+            return "gpt2", ("transformer." if "transformer.wpe.weight" in weights else "") if prefix is None else prefix
+        chatglm = "transformer." if prefix is None else prefix
+        if chatglm + LAYOUTS["chatglm"]["norm"] in weights:
+            return "chatglm", chatglm
+        prefix = "model." if prefix is None else prefix
+        return ("glm" if f"{prefix}layers.0.mlp.gate_up_proj.weight" in weights else "llama"), prefix
+
+    def _llama_layers(self, take, prefix: str, layout: dict) -> dict[str, torch.Tensor]:
         cfg = self.cfg
-        sd = {"norm.weight": take(prefix + "norm.weight")}
-        projections = {  # ours -> the checkpoint's, concatenated in this order; whether it has a bias
-            "qkv": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), cfg.qkv_bias),
-            "o_proj": (("self_attn.o_proj",), cfg.o_bias),
-            "gate_up": (("mlp.gate_proj", "mlp.up_proj"), cfg.mlp_bias),
-            "down": (("mlp.down_proj",), cfg.mlp_bias),
-        }
+        sd = {"norm.weight": take(prefix + layout["norm"])}
+        biases = {"qkv": cfg.qkv_bias, "o_proj": cfg.o_bias, "gate_up": cfg.mlp_bias, "down": cfg.mlp_bias}
         for i in range(cfg.num_layers):
-            p, ours = f"{prefix}layers.{i}.", f"layers.{i}."
-            for name, (parts, bias) in projections.items():
+            p, ours = f"{prefix}{layout['layers']}{i}.", f"layers.{i}."
+            for name, bias in biases.items():
                 for param in ("weight", "bias") if bias else ("weight",):
-                    tensors = [take(f"{p}{part}.{param}") for part in parts]
+                    tensors = [take(f"{p}{part}.{param}") for part in layout[name]]
                     sd[f"{ours}{name}.{param}"] = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
             sd[ours + "input_norm.weight"] = take(p + "input_layernorm.weight")
             sd[ours + "post_norm.weight"] = take(p + "post_attention_layernorm.weight")
