@@ -1,5 +1,5 @@
-"""A plain Hugging Face Llama / Qwen2 / Qwen3 *ForCausalLM or GPT-2 served as a token-only model: no codec, used for
-backbone checks."""
+"""A plain Hugging Face Llama / Qwen2 / Qwen3 / GLM-4 *ForCausalLM or GPT-2 served as a token-only model: no codec,
+used for backbone checks."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,7 +22,8 @@ class TokenLM(SpeechModel):
         family = decoder_family(hf)
         if family is None:
             raise ValueError(f"unsupported architecture {hf.get('architectures')} (model_type "
-                             f"{hf.get('model_type')!r}) in {model_dir}: expected a Llama, Qwen or GPT-2 causal LM")
+                             f"{hf.get('model_type')!r}) in {model_dir}: expected a Llama, Qwen, GLM-4 or GPT-2 "
+                             "causal LM")
         self.cfg = DecoderConfig.from_hf(hf, family)
         self.backbone = build_decoder(self.cfg, load_safetensors(model_dir), device, dtype)
         self.spec = ModelSpec(
