@@ -176,7 +176,9 @@ class StepAudio2Frontend(SpeechModel):
         return sum(placeholder_count(int(f)) for f in frames)
 
     def default_sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.05, max_tokens=MAX_TOKENS)
+        # upstream's examples: temperature 0.7, top_p 0.9, repetition_penalty 1.05; top_k 50 is transformers'
+        # GenerationConfig default in the 4.x releases it was written for (its generate call leaves it in place)
+        return SamplingParams(temperature=0.7, top_p=0.9, top_k=50, repetition_penalty=1.05, max_tokens=MAX_TOKENS)
 
     # --- the reply: text ids (said as TEXT events) and audio ids (S3 codes for the codec), interleaved ---
     text_output = True
