@@ -13,6 +13,7 @@ from voxbackend.models.checkpoint import read_config
 from voxbackend.models.chatterbox import model as chatterbox
 from voxbackend.models.chatterbox import turbo as chatterbox_turbo
 from voxbackend.models.cosyvoice2 import model as cosyvoice2
+from voxbackend.models.glm4_voice import model as glm4_voice
 from voxbackend.models.csm import model as csm
 from voxbackend.models.orpheus import model as orpheus
 from voxbackend.models.qwen3_tts import frontend as qwen3_tts_frontend
@@ -102,6 +103,14 @@ KINDS: dict[str, ModelKind] = {k.name: k for k in (
         tiny_checkpoint="voxbackend.models.step_audio2.tiny:ensure_default_step_audio2",
         served="Step-Audio 2 mini (Whisper-style audio encoder, Qwen2.5 LM answering in text and speech, DiT flow + "
                "HiFT 24 kHz)",
+    ),
+    ModelKind(
+        # frontend: chat template and clips; the speech tokenizer runs in the engine (engine_features); codec: the
+        # glm-4-voice-decoder folder inside the checkpoint (codec_dir overrides); before token_lm, which would take
+        # its chatglm LM for a plain one
+        name="glm4_voice", detect=lambda hf: False, detect_folder=glm4_voice.is_glm4_voice_folder,
+        model=glm4_voice.GLM4Voice, frontend=glm4_voice.GLM4VoiceFrontend,
+        tiny_checkpoint="voxbackend.models.glm4_voice.tiny:ensure_default_glm4_voice",
     ),
     ModelKind(name="token_lm", detect=token_lm.is_token_lm_config, model=token_lm.TokenLM),
 )}

@@ -72,6 +72,17 @@ def fold_weight_norm(state: dict[str, torch.Tensor], cfg: HiFTConfig) -> dict[st
     return state
 
 
+def weight_norm_pairs(state: dict[str, torch.Tensor], cfg: HiFTConfig) -> dict[str, torch.Tensor]:
+    """A plain state dict with its weight-normed convs as official checkpoints store them (the parametrization's
+    g = |w| per output channel, v = w): what tiny checkpoint writers save, fold_weight_norm's inverse."""
+    out = dict(state)
+    for name in weight_norm_names(cfg):
+        w = out.pop(f"{name}.weight")
+        out[f"{name}.parametrizations.weight.original0"] = w.flatten(1).norm(dim=1).view(-1, *[1] * (w.ndim - 1))
+        out[f"{name}.parametrizations.weight.original1"] = w.clone()
+    return out
+
+
 def conv_padding(kernel: int, dilation: int) -> int:
     return (kernel * dilation - dilation) // 2
 
