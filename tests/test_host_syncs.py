@@ -20,6 +20,8 @@ CODEC_STEP = {
     # the new mel comes to the host before HiFT: the streams' mel caches and cross-fades are host tensors
     "cosyvoice2": 2, "chatterbox": 2, "chatterbox_turbo": 2,
     "step_audio2": 1,
+    # the flow's mel comes to the host (each block's overlap and the next prompt mel live there), then HiFT's audio
+    "glm4_voice": 2,
 }
 
 

@@ -111,6 +111,8 @@ KINDS: dict[str, ModelKind] = {k.name: k for k in (
         name="glm4_voice", detect=lambda hf: False, detect_folder=glm4_voice.is_glm4_voice_folder,
         model=glm4_voice.GLM4Voice, frontend=glm4_voice.GLM4VoiceFrontend,
         tiny_checkpoint="voxbackend.models.glm4_voice.tiny:ensure_default_glm4_voice",
+        served="GLM-4-Voice-9B (Whisper-VQ speech tokenizer, GLM-4 LM answering in text and speech, CosyVoice flow + "
+               "HiFT 22.05 kHz)",
     ),
     ModelKind(name="token_lm", detect=token_lm.is_token_lm_config, model=token_lm.TokenLM),
 )}

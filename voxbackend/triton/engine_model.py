@@ -75,7 +75,8 @@ class EngineModel:
             fmt = DEFAULT_AUDIO_FORMAT  # reported below, once the stream exists
         responder = self.responder(self.pb, request.get_response_sender())
         stream = Stream(request_id, responder, fmt, arrived, self.sample_rate,
-                        stream_id=self.cancels.stream_id(request_id), text_output=self.model.text_output)
+                        stream_id=self.cancels.stream_id(request_id),
+                        text_output=getattr(self.model, "text_output", False))
         self.drain.check()  # a stop that began since the last poll: refuse this one too (before add: see below)
         self.loop.add(stream)
         # from here until submit is a race with the loop's housekeeping (a dead engine fails the stream with a

@@ -8,6 +8,7 @@ that rows of different lengths share a batch (every conv input is masked and Gro
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -16,9 +17,11 @@ from voxbackend.components.flow_hift.unet_estimator import MaskedGroupNorm
 
 
 def mel_frames(token_counts: list[int], token_rate: float, sample_rate: int, hop: int) -> list[int]:
-    """Mel frames for each count of tokens, with upstream's float32 rounding."""
-    counts = torch.tensor(token_counts, dtype=torch.int32)
-    return (counts / token_rate * sample_rate / hop).int().tolist()
+    """Mel frames for each count of tokens, with upstream's float32 rounding (numpy on the host: the counts are
+    known there, and a device tensor would cost a wait for it)."""
+    f32 = np.float32
+    counts = np.asarray(token_counts, dtype=np.int32).astype(f32)
+    return (counts / f32(token_rate) * f32(sample_rate) / f32(hop)).astype(np.int32).tolist()
 
 
 def nearest_source(in_lengths: torch.Tensor, out_lengths: torch.Tensor, total: int) -> torch.Tensor:
