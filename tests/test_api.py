@@ -1,17 +1,20 @@
-"""The speech API (voxbackend/api) end to end: `voxbackend serve --api-port` on loopback with the tiny Orpheus
-checkpoint, called with the official `openai` client, a WebSocket client and headless Chromium.
+"""The speech API (voxbackend/api) end to end: `voxbackend serve --api-port` on loopback with the tiny Orpheus and
+Step-Audio 2 checkpoints, called with the official `openai` client, a WebSocket client and headless Chromium.
 
 One server for the module (the CLI as users start it: tritonserver + the API, ready when GET /health answers
 200, SIGINT stops both). Reference audio comes from the project's Triton client (clients/tts_stream.py) on the
-same server with the same seed: the API must hand over exactly the engine's samples (PCM16, +-1 step).
+same server with the same seed: the API must hand over exactly the engine's samples (PCM16, +-1 step), and a
+conversation model's reply text exactly the Triton client's.
 """
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -43,14 +46,16 @@ RATE = 24000
 
 @pytest.fixture(scope="module")
 def service(tiny_orpheus, tmp_path_factory):
-    """`voxbackend serve --models orpheus --api-port N`: yields the ports; stops it with SIGINT at the end."""
+    """`voxbackend serve --models orpheus,step_audio2 --api-port N` (Step-Audio 2 on its tiny default checkpoint):
+    yields the ports; stops it with SIGINT at the end."""
     model_dir, codec_dir = tiny_orpheus
     work = tmp_path_factory.mktemp("api_serve")
     ports = {name: free_port() for name in ("http", "grpc", "metrics", "api")}
     log = open(work / "serve.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "voxbackend.cli", "serve", "--models", "orpheus", "--checkpoint", str(model_dir),
-         "--codec", str(codec_dir), "--host", "127.0.0.1", "--http-port", str(ports["http"]),
+        [sys.executable, "-m", "voxbackend.cli", "serve", "--models", "orpheus,step_audio2",
+         "--set", f"orpheus.checkpoint={model_dir}", "--set", f"orpheus.codec={codec_dir}",
+         "--host", "127.0.0.1", "--http-port", str(ports["http"]),
          "--grpc-port", str(ports["grpc"]), "--metrics-port", str(ports["metrics"]), "--api-port", str(ports["api"]),
          "--work-dir", str(work)],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -216,10 +221,11 @@ def test_unknown_model_is_not_found(service, client):
 
 def test_models_and_voices_come_from_the_server(service, client):
     models = {m.id: m for m in client.models.list().data}
-    assert list(models) == ["orpheus"]  # the front model; the preprocess and engine it calls are not listed
+    assert list(models) == ["orpheus", "step_audio2"]  # the front models; the preprocesses they call are not listed
     info = models["orpheus"].model_dump()
     assert info["engine"] == "orpheus" and info["sample_rate"] == RATE and info["voices"] == list(VOICES)
     assert info["guidance"] is False  # no cfg_weight but 0
+    assert info["conversation"] is False and models["step_audio2"].model_dump()["conversation"] is True  # TEXT_OUT
     voices = get_json(service["api"] + "/v1/audio/voices")
     assert [v["voice_id"] for v in voices["voices"] if v["model"] == "orpheus"] == list(VOICES)
 
@@ -227,26 +233,26 @@ def test_models_and_voices_come_from_the_server(service, client):
 def test_health_and_gauges(service):
     health = get_json(service["api"] + "/health")
     assert health["status"] == "ok" and health["triton"] == "ready"
-    assert health["engines"] == {"orpheus": {"alive": True}}  # the front model hosts its engine
+    assert health["engines"] == {"orpheus": {"alive": True}, "step_audio2": {"alive": True}}  # each hosts its own
     stats = get_json(service["api"] + "/v1/stats")["models"]["orpheus"]
     assert stats["engine"] == "orpheus" and stats["engine_alive"] is True
     assert stats["kv_pages_total"] > 0 and stats["active_streams"] >= 0
 
 
-def wait_idle(service, timeout: float = 10.0) -> float:
+def wait_idle(service, timeout: float = 10.0, model: str = "orpheus") -> float:
     """Seconds until the engine's active-streams gauge reads 0 (fails after timeout)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        stats = get_json(service["api"] + "/v1/stats")["models"]["orpheus"]
+        stats = get_json(service["api"] + "/v1/stats")["models"][model]
         if stats["active_streams"] == 0 and stats["kv_pages_used"] == 0:
             return time.monotonic() - t0
         time.sleep(0.2)
     raise AssertionError(f"the engine still has {stats} {timeout} s after the client left")
 
 
-def wait_active(service, timeout: float = 30.0) -> None:
+def wait_active(service, timeout: float = 30.0, model: str = "orpheus") -> None:
     t0 = time.monotonic()
-    while get_json(service["api"] + "/v1/stats")["models"]["orpheus"]["active_streams"] == 0:
+    while get_json(service["api"] + "/v1/stats")["models"][model]["active_streams"] == 0:
         assert time.monotonic() - t0 < timeout, "the request never became active"
         time.sleep(0.05)
 
@@ -323,6 +329,220 @@ def test_websocket_disconnect_frees_the_engine(service):
     ws_session(service, ["One long sentence here. ", "And another long one after it. "],
                {"model": "orpheus", "seed": 9, "max_tokens": 1200}, stop_after_frames=2)
     assert wait_idle(service) < 10.0
+
+
+# --- /v1/chat/completions: the conversation model (Step-Audio 2's tiny random checkpoint) ---------------------------
+
+CHAT_MODEL = "step_audio2"
+CHAT_TOKENS = 64  # text and audio ids together: a piece of text and one chunk of audio
+SYSTEM = "You are a friendly voice assistant. Answer briefly."
+
+
+def clip_wav(seconds: float, rate: int, seed: int) -> bytes:
+    """A tone with a little noise: a spoken turn's stand-in, as a 16-bit WAV file."""
+    t = np.arange(int(seconds * rate)) / rate
+    noise = np.random.default_rng(seed).standard_normal(t.size)
+    buf = io.BytesIO()
+    sf.write(buf, (0.3 * np.sin(2 * np.pi * (150 + 40 * seed) * t) + 0.05 * noise).astype(np.float32), rate,
+             format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+CLIP = clip_wav(1.0, 16000, 1)
+
+
+def audio_part(clip: bytes) -> dict:
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip).decode(), "format": "wav"}}
+
+
+def chat_reference(service, seed: int, max_tokens: int = CHAT_TOKENS, text: str | None = None,
+                   clip: bytes | None = None, **fields):
+    """The Triton client's reply to the same turn (make_inputs' fields: system_prompt, history, speak)."""
+    out = stream_request(service["grpc"], CHAT_MODEL, make_inputs(text, None, "pcm16", input_audio=clip,
+                                                                  MAX_TOKENS=max_tokens, SEED=seed, **fields),
+                         "pcm16", timeout=120)
+    assert out.error is None, out.error
+    return out
+
+
+def talkative(service, seeds: range, speaks: bool = True, **turn):
+    """(seed, the Triton client's reply) for the first seed whose reply to `turn` holds text (and audio when it
+    speaks): the tiny random model often answers in audio alone, and which seeds do depends on float rounding
+    (threads, machine), so the tests look for one rather than name it."""
+    for seed in seeds:
+        out = chat_reference(service, seed, **turn, **({} if speaks else {"speak": False}))
+        if out.text and (out.chunks or not speaks):
+            return seed, out
+    raise AssertionError(f"no seed in {seeds} gives a reply with text to {list(turn)}")
+
+
+@pytest.fixture(scope="module")
+def talk(service) -> dict:
+    """A seed whose reply to CLIP (CHAT_TOKENS steps) holds text and audio, and that reply."""
+    seed, reply = talkative(service, range(1, 40), clip=CLIP)
+    return {"seed": seed, "reply": reply}
+
+
+def chat_stream(client, messages: list, **fields) -> tuple[list, list, bytes]:
+    """Stream one chat request: (its chunks, its events in order: ("text", piece) / ("audio", samples), its PCM16)."""
+    chunks = list(client.chat.completions.create(model=CHAT_MODEL, messages=messages, stream=True, **fields))
+    events, pcm = [], b""
+    for chunk in chunks:
+        assert chunk.object == "chat.completion.chunk" and chunk.id == chunks[0].id and len(chunk.choices) == 1
+        delta = chunk.choices[0].delta
+        if delta.audio and delta.audio.transcript:
+            events.append(("text", delta.audio.transcript))
+        if delta.content:
+            events.append(("text", delta.content))
+        if delta.audio and delta.audio.data:
+            data = base64.b64decode(delta.audio.data)
+            events.append(("audio", len(data) // 2))
+            pcm += data
+    return chunks, events, pcm
+
+
+def assert_same_pieces(events: list, want, what: str) -> None:
+    """The same text pieces and the same audio chunks as the Triton client got. How they interleave is paced by the
+    server's clock (two runs of one request may swap a piece and a chunk), so the order is checked against a
+    stand-in stream in tests/test_api_chat.py."""
+    assert [p for kind, p in events if kind == "text"] == [p for _, _, p in want.text_pieces], f"{what}: text"
+    assert [n for kind, n in events if kind == "audio"] == [c.size for c in want.chunks], f"{what}: audio chunks"
+
+
+def pcm16(out) -> np.ndarray:
+    return np.round(out.audio * 32767.0).astype(np.int32)
+
+
+def test_chat_streams_the_text_and_audio_pieces_triton_sends(service, client, talk):
+    want = chat_reference(service, talk["seed"], 400, clip=CLIP)  # a longer reply: several audio chunks
+    assert len(want.chunks) >= 2 and want.text
+    chunks, events, pcm = chat_stream(client, [{"role": "user", "content": [audio_part(CLIP)]}],
+                                      modalities=["text", "audio"], audio={"voice": "default", "format": "pcm16"},
+                                      seed=talk["seed"], extra_body={"max_tokens": 400})
+    assert_same_pieces(events, want, "streamed reply")
+    assert_same_audio(np.frombuffer(pcm, "<i2"), pcm16(want), "streamed reply")
+    assert chunks[0].choices[0].delta.role == "assistant"
+    audio_ids = {c.choices[0].delta.audio.id for c in chunks if c.choices[0].delta.audio}
+    assert len(audio_ids) == 1 and audio_ids.pop().startswith("audio_")
+    assert chunks[-2].choices[0].delta.audio.expires_at > time.time()  # OpenAI's last audio delta: its expiry
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason in ("stop", "length")
+    assert chunks[-1].model_extra["seed"] == talk["seed"]
+
+
+def test_chat_whole_reply_equals_the_triton_client(service, client, talk):
+    want = talk["reply"]
+    for fmt, tokens in (("wav", {"extra_body": {"max_tokens": CHAT_TOKENS}}),
+                        ("pcm16", {"max_completion_tokens": CHAT_TOKENS})):
+        reply = client.chat.completions.create(model=CHAT_MODEL, modalities=["text", "audio"], seed=talk["seed"],
+                                               audio={"voice": "default", "format": fmt},
+                                               messages=[{"role": "user", "content": [audio_part(CLIP)]}], **tokens)
+        message = reply.choices[0].message
+        assert reply.object == "chat.completion" and message.role == "assistant" and message.content is None
+        assert message.audio.transcript == want.text and message.audio.expires_at > time.time()
+        data = base64.b64decode(message.audio.data)
+        if fmt == "wav":
+            assert struct.unpack("<I", data[40:44])[0] == len(data) - 44  # a whole file: its real size
+            audio, rate = sf.read(io.BytesIO(data), dtype="int16")
+            assert rate == RATE
+        else:
+            audio = np.frombuffer(data, "<i2")
+        assert_same_audio(audio, pcm16(want), fmt)
+        assert reply.choices[0].finish_reason == want.finish_reason
+
+
+def test_chat_conversation_with_system_and_history_equals_the_triton_client(service, client, talk):
+    """An earlier spoken reply comes back by its audio id (OpenAI's multi-turn form) as its transcript; the system
+    message, the earlier turns and the last one reach the model as the Triton client sends them."""
+    first = client.chat.completions.create(model=CHAT_MODEL, modalities=["text", "audio"], seed=talk["seed"],
+                                           audio={"voice": "default", "format": "wav"},
+                                           messages=[{"role": "user", "content": [audio_part(CLIP)]}],
+                                           extra_body={"max_tokens": CHAT_TOKENS})
+    said = first.choices[0].message.audio
+    assert said.transcript == talk["reply"].text
+    last = clip_wav(1.2, 22050, 3)
+    earlier = [{"role": "system", "content": SYSTEM},
+               {"role": "user", "content": [audio_part(CLIP)]},
+               {"role": "assistant", "audio": {"id": said.id}},
+               {"role": "user", "content": "And a text turn."},
+               {"role": "assistant", "content": [{"type": "text", "text": "A text answer."}]}]
+    history = [{"role": "user", "text": "", "audio": CLIP}, {"role": "assistant", "text": said.transcript},
+               {"role": "user", "text": "And a text turn."}, {"role": "assistant", "text": "A text answer."}]
+    seed, want = talkative(service, range(5, 40), text="What is this sound?", clip=last, system_prompt=SYSTEM,
+                           history=history)
+    _, events, pcm = chat_stream(client, [*earlier, {"role": "user", "content": [
+        {"type": "text", "text": "What is this sound?"}, audio_part(last)]}], modalities=["text", "audio"],
+        audio={"voice": "default", "format": "pcm16"}, seed=seed, extra_body={"max_tokens": CHAT_TOKENS})
+    assert_same_pieces(events, want, "a reply to the conversation")
+    assert_same_audio(np.frombuffer(pcm, "<i2"), pcm16(want), "a reply to the conversation")
+    # a text reply (SPEAK false), whole and streamed
+    seed, want = talkative(service, range(5, 40), speaks=False, text="In text, please.", system_prompt=SYSTEM,
+                           history=history)
+    assert not want.chunks
+    turn = [*earlier, {"role": "user", "content": "In text, please."}]
+    reply = client.chat.completions.create(model=CHAT_MODEL, modalities=["text"], messages=turn, seed=seed,
+                                           extra_body={"max_tokens": CHAT_TOKENS})
+    assert reply.choices[0].message.content == want.text and reply.choices[0].message.audio is None
+    _, events, pcm = chat_stream(client, turn, seed=seed, extra_body={"max_tokens": CHAT_TOKENS})  # text: default
+    assert_same_pieces(events, want, "a text reply")
+    assert pcm == b""
+
+
+def _user(*parts) -> list[dict]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+@pytest.mark.parametrize("fields, param, says", [
+    ({"audio": {"voice": "nobody", "format": "wav"}}, "audio.voice", "unknown voice 'nobody'"),
+    ({"audio": {"voice": "default", "format": "aac"}}, "audio.format", "'aac' is not supported"),
+    ({"stream": True, "audio": {"voice": "default", "format": "wav"}}, "audio.format", "pcm16"),
+    ({"model": "orpheus"}, "model", "text-to-speech model"),
+    ({"messages": _user({"type": "text", "text": "  "})}, "messages[0].content", "is empty"),
+    ({"messages": [{"role": "system", "content": SYSTEM}]}, "messages", "the last message must be the user's"),
+    ({"messages": _user({"type": "input_audio", "input_audio": {"data": "no base64!", "format": "wav"}})},
+     "messages[0].content[0].input_audio.data", "not valid base64"),
+    ({"messages": _user(audio_part(b"RIFF and then nothing"))},  # Triton reads the clip
+     "messages[0].content[0].input_audio", "messages[0].content[0].input_audio is not a readable audio file"),
+    ({"messages": _user({"type": "text", "text": "Hi"}, audio_part(clip_wav(61, 8000, 0)))},
+     "messages[0].content[1].input_audio", "is 61.00 s; the limit is 60 s"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}] * 17
+      + [{"role": "user", "content": "Hi"}]}, "messages", "history has 34 turns; the limit is 32"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "audio": {"id": "audio_gone"}},
+                   {"role": "user", "content": "Hi"}]}, "messages[1].audio.id", "'audio_gone' is no spoken reply"),
+    ({"messages": _user({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}})},
+     "messages[0].content[0].type", "'image_url' is not supported"),
+    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "1"}, {"role": "user", "content": "Hi"}]},
+     "messages[0].role", "'tool' is not supported"),
+    ({"temperature": -1.0}, "temperature", "temperature must be >= 0"),
+    ({"top_p": 0.0}, "top_p", "top_p must be in (0, 1]"),
+    ({"max_completion_tokens": 0, "extra_body": {}}, "max_completion_tokens", "max_completion_tokens must be"),
+    ({"max_completion_tokens": 9}, "max_completion_tokens", "not both"),  # and max_tokens 8 (extra_body)
+    ({"n": 2}, "n", "not supported"),
+    ({"modalities": ["image"]}, "modalities", "modalities must be"),
+    ({"extra_body": {"temprature": 0.5}}, "temprature", "unknown field"),
+])
+def test_chat_bad_input_gets_an_openai_error_naming_the_field(service, client, fields, param, says):
+    request = {"model": CHAT_MODEL, "modalities": ["text", "audio"], "audio": {"voice": "default", "format": "wav"},
+               "messages": [{"role": "user", "content": "Hi"}], "seed": 1, "extra_body": {"max_tokens": 8}, **fields}
+    with pytest.raises(openai.BadRequestError) as e:
+        reply = client.chat.completions.create(**request)
+        list(reply) if request.get("stream") else None
+    assert e.value.status_code == 400 and e.value.type == "invalid_request_error", e.value.body
+    assert e.value.param == param and says in e.value.message, e.value.body
+
+
+def test_chat_disconnect_cancels_the_reply(service, client):
+    """A client that leaves, mid-stream or waiting for a whole reply (its timeout), stops the generation."""
+    wait_idle(service, model=CHAT_MODEL)
+    long = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "modalities": ["text", "audio"], "seed": 2, "extra_body": {"max_tokens": 3000}}
+    with client.chat.completions.create(stream=True, audio={"voice": "default", "format": "pcm16"}, **long) as stream:
+        next(iter(stream))
+        wait_active(service, model=CHAT_MODEL)
+    wait_idle(service, model=CHAT_MODEL)
+    impatient = client.with_options(timeout=1.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(audio={"voice": "default", "format": "wav"}, **long)
+    wait_idle(service, model=CHAT_MODEL)
 
 
 def test_server_down_is_503(tmp_path):
@@ -490,60 +710,116 @@ def test_sentence_buffer_cuts_at_boundaries_only():
     assert buf.flush() == ["word word word word word word"] and buf.flush() == []
 
 
-def test_page_plays_a_stream_in_headless_chromium(service, tmp_path):
+@pytest.fixture(scope="module")
+def page():
+    """Headless Chromium (Selenium), one for the module's page tests; its microphone is Chromium's fake device (a
+    beep), granted without asking."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
 
     browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
     assert browser and driver, "Debian's chromium and chromium-driver are needed (scripts/setup_env.sh installs them)"
     options = webdriver.ChromeOptions()
     options.binary_location = browser
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1100,760",
-                "--autoplay-policy=no-user-gesture-required"):
+                "--autoplay-policy=no-user-gesture-required", "--use-fake-device-for-media-stream",
+                "--use-fake-ui-for-media-stream"):
         options.add_argument(arg)
     page = webdriver.Chrome(service=Service(driver), options=options)
     try:
-        page.get(service["api"] + "/")
-        until(lambda: page.execute_script("return document.getElementById('model').options.length") > 0, 30)
-        assert page.execute_script(
-            "return [...document.getElementById('voice').options].map(o => o.value)") == ["", *VOICES]
-        assert not page.find_element(By.ID, "exaggeration").is_displayed()  # Orpheus takes neither
-        assert not page.find_element(By.ID, "cfg-weight").is_displayed()
-        max_tokens = page.find_element(By.ID, "max-tokens")
-        max_tokens.clear()
-        max_tokens.send_keys("210")
-        page.find_element(By.ID, "play").click()
-        # sound is playing and a second of it has come in: the screenshot shows the stream mid-way
-        until(lambda: page.execute_script("return window.voxPlayer.audibleFrames > 0 && window.voxPlayer.audioS > 1"),
-              90)
-        shot = tmp_path / "player.png"
-        page.save_screenshot(str(shot))
-        print(f"screenshot: {shot}")
-        until(lambda: page.execute_script("return window.voxPlayer.done"), 90)
-        state = page.execute_script("return window.voxPlayer")
-        assert state["error"] is None, state["error"]
-        assert state["samplesScheduled"] == state["samplesReceived"] > RATE // 2, state
-        # (how many reads the bytes took is the browser's business: a starved one reads everything at once)
-        assert state["chunks"] >= 1 and state["ttfaMs"] > 0
-        assert page.find_element(By.ID, "ttfa").text.endswith(" ms")
-        until(lambda: "orpheus (orpheus)" in page.find_element(By.ID, "gauges").text, 10)
-        assert shot.stat().st_size > 10_000
-        # a Chatterbox as /v1/models describes it: its built-in voice is "(default)", its own controls appear
-        page.execute_script("""
-            models.chatterbox = {id: "chatterbox", voices: ["narrator"], voice_kind: "name", guidance: true,
-                                 inputs: ["TEXT", "VOICE", "REFERENCE_AUDIO", "EXAGGERATION", "CFG_WEIGHT"]};
-            $("model").insertAdjacentHTML("beforeend", "<option>chatterbox</option>");
-            $("model").value = "chatterbox";
-            $("model").dispatchEvent(new Event("change"));""")
-        assert page.execute_script(
-            "return [...document.getElementById('voice').options].map(o => o.value)") == ["", "narrator"]
-        page.find_element(By.ID, "exaggeration").send_keys("0.8")
-        page.find_element(By.ID, "cfg-weight").send_keys("0")
-        assert page.execute_script("return requestFields()") == {
-            "model": "chatterbox", "seed": 7, "max_tokens": 210, "exaggeration": 0.8, "cfg_weight": 0}
+        yield page
     finally:
         page.quit()
+
+
+def test_page_plays_a_stream_in_headless_chromium(service, page, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    page.get(service["api"] + "/")
+    until(lambda: page.execute_script("return document.getElementById('model').options.length") > 0, 30)
+    assert page.execute_script(
+        "return [...document.getElementById('voice').options].map(o => o.value)") == ["", *VOICES]
+    assert not page.find_element(By.ID, "exaggeration").is_displayed()  # Orpheus takes neither
+    assert not page.find_element(By.ID, "cfg-weight").is_displayed()
+    max_tokens = page.find_element(By.ID, "max-tokens")
+    max_tokens.clear()
+    max_tokens.send_keys("210")
+    page.find_element(By.ID, "play").click()
+    # sound is playing and a second of it has come in: the screenshot shows the stream mid-way
+    until(lambda: page.execute_script("return window.voxPlayer.audibleFrames > 0 && window.voxPlayer.audioS > 1"),
+          90)
+    shot = tmp_path / "player.png"
+    page.save_screenshot(str(shot))
+    print(f"screenshot: {shot}")
+    until(lambda: page.execute_script("return window.voxPlayer.done"), 90)
+    state = page.execute_script("return window.voxPlayer")
+    assert state["error"] is None, state["error"]
+    assert state["samplesScheduled"] == state["samplesReceived"] > RATE // 2, state
+    # (how many reads the bytes took is the browser's business: a starved one reads everything at once)
+    assert state["chunks"] >= 1 and state["ttfaMs"] > 0
+    assert page.find_element(By.ID, "ttfa").text.endswith(" ms")
+    until(lambda: "orpheus (orpheus)" in page.find_element(By.ID, "gauges").text, 10)
+    assert shot.stat().st_size > 10_000
+    # a Chatterbox as /v1/models describes it: its built-in voice is "(default)", its own controls appear
+    page.execute_script("""
+        models.chatterbox = {id: "chatterbox", voices: ["narrator"], voice_kind: "name", guidance: true,
+                             inputs: ["TEXT", "VOICE", "REFERENCE_AUDIO", "EXAGGERATION", "CFG_WEIGHT"]};
+        $("model").insertAdjacentHTML("beforeend", "<option>chatterbox</option>");
+        $("model").value = "chatterbox";
+        $("model").dispatchEvent(new Event("change"));""")
+    assert page.execute_script(
+        "return [...document.getElementById('voice').options].map(o => o.value)") == ["", "narrator"]
+    page.find_element(By.ID, "exaggeration").send_keys("0.8")
+    page.find_element(By.ID, "cfg-weight").send_keys("0")
+    assert page.execute_script("return requestFields()") == {
+        "model": "chatterbox", "seed": 7, "max_tokens": 210, "exaggeration": 0.8, "cfg_weight": 0}
+
+
+def test_page_talks_with_a_conversation_model_in_headless_chromium(service, page, tmp_path):
+    """Record from the (fake) microphone, send, hear the reply stream and read its transcript; then a typed turn
+    goes along with the first one as history. The reply is the Triton client's to the WAV the page sent."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    page.get(service["api"] + "/")
+    until(lambda: page.execute_script("return document.getElementById('model').options.length") == 2, 30)
+    Select(page.find_element(By.ID, "model")).select_by_visible_text(CHAT_MODEL)
+    assert page.find_element(By.ID, "chat").is_displayed() and not page.find_element(By.ID, "play").is_displayed()
+    max_tokens = page.find_element(By.ID, "max-tokens")
+    max_tokens.clear()
+    max_tokens.send_keys("240")  # two audio chunks; with the page's seed 7 the replies tried all had text
+    page.find_element(By.ID, "record").click()
+    until(lambda: page.execute_script("return voxChat.clipS") > 1.0, 30)
+    page.find_element(By.ID, "record").click()
+    assert page.execute_script("return voxChat.recording") is False
+    page.find_element(By.ID, "send").click()
+    until(lambda: page.execute_script("return voxChat.done"), 90)
+    chat, player = page.execute_script("return [voxChat, voxPlayer]")
+    assert chat["error"] is None, chat["error"]
+    first = chat["lastRequest"]
+    assert first["stream"] is True and first["audio"] == {"voice": "default", "format": "pcm16"}
+    [turn] = first["messages"]
+    clip = base64.b64decode(turn["content"][0]["input_audio"]["data"])
+    info = sf.info(io.BytesIO(clip))
+    assert info.subtype == "PCM_16" and info.channels == 1 and info.duration > 1.0  # encoded by the page
+    want = chat_reference(service, seed=7, max_tokens=240, clip=clip)
+    assert chat["transcript"] == want.text and chat["textPieces"] == len(want.text_pieces)
+    assert page.execute_script("return document.querySelector('.turn.assistant .text').textContent") == want.text
+    assert player["samplesScheduled"] == player["samplesReceived"] == want.audio.size > 0
+    assert chat["audioPieces"] == len(want.chunks) and player["ttfaMs"] > 0  # a delta per chunk
+    until(lambda: page.execute_script("return voxPlayer.audibleFrames > 0"), 30)  # the reply really played
+    page.find_element(By.ID, "chat-text").send_keys("And what now?")
+    page.find_element(By.ID, "send").click()
+    until(lambda: page.execute_script("return voxChat.done && voxChat.turns === 2"), 90)
+    chat = page.execute_script("return voxChat")
+    assert chat["error"] is None, chat["error"]
+    said = [{"role": "assistant", "content": want.text}] if want.text else []
+    assert chat["lastRequest"]["messages"] == [turn, *said, {"role": "user", "content": [
+        {"type": "text", "text": "And what now?"}]}]
+    assert len(page.find_elements(By.CSS_SELECTOR, ".turn")) == 4
+    shot = tmp_path / "conversation.png"
+    page.save_screenshot(str(shot))
+    print(f"screenshot: {shot}")
 
 
 def until(check, timeout: float) -> None:

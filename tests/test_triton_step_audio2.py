@@ -180,6 +180,7 @@ BAD = {
     "no audio and no text": (make_inputs(None, MAX_TOKENS=8), "TEXT: give text, audio or both"),
     "unreadable clip": (make_inputs(None, input_audio=b"RIFF not really a wav"),
                         "INPUT_AUDIO is not a readable audio file"),
+    "a clip with no samples": (make_inputs("Hi", input_audio=wav(0, 16000, 7)), "INPUT_AUDIO is empty"),
     "clip over the limit": (make_inputs("Hi", input_audio=wav(61, 8000, 6)),
                             "INPUT_AUDIO is 61.00 s; the limit is 60 s"),
     "history too long": (make_inputs("Hi", history=[{"role": "user", "text": "a"}] * 33),

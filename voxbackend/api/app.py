@@ -3,6 +3,7 @@
 It talks to tritonserver only (gRPC streaming for audio, its metrics port for gauges) and loads no model.
 
     POST /v1/audio/speech          OpenAI fields + sampling extras -> audio streamed as it is produced
+    POST /v1/chat/completions      a conversation model's spoken (or text) reply, whole or as events (chat.py)
     GET  /v1/audio/voices          each served model's voices
     GET  /v1/models                the served speech models (OpenAI list shape, plus voices, sample rate, guidance)
     WS   /v1/audio/speech/stream   text pieces in, PCM16 audio frames out (speech_socket.py)
@@ -19,13 +20,17 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from pydantic import ValidationError
 
 from voxbackend.api import gauges
 from voxbackend.api.audio_out import AudioEncoder
 from voxbackend.api.catalog import Catalog
-from voxbackend.api.errors import ApiError, unavailable
+from voxbackend.api.chat import ChatReply, unless_disconnected
+from voxbackend.api.chat_request import ChatRequest
+from voxbackend.api.errors import ApiError, bad_request, unavailable
+from voxbackend.api.replies import Transcripts
 from voxbackend.api.requests import SpeechRequest, validation_error
 from voxbackend.api.speech_socket import SpeechSocket
 from voxbackend.api.triton_stream import AudioChunk, SpeechStream, speech_inputs
@@ -37,6 +42,7 @@ log = logging.getLogger("voxbackend.api")
 def create_app(triton_url: str, metrics_url: str | None = None, prefetch_voices: bool = True) -> FastAPI:
     """triton_url: Triton's gRPC address (host:port); metrics_url: its Prometheus endpoint (http://...:8002/metrics)."""
     catalog = Catalog(triton_url)
+    transcripts = Transcripts()  # spoken replies' transcripts, for assistant messages that give an audio.id
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -71,6 +77,24 @@ def create_app(triton_url: str, metrics_url: str | None = None, prefetch_voices:
             raise
         return SpeechResponse(stream, _audio_body(stream, encoder, first), media_type=encoder.media_type,
                               headers={"X-Sample-Rate": str(stream.sample_rate)})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        try:  # read here, not by FastAPI: a refusal names the nested field (audio.format), not only "audio"
+            body = ChatRequest.model_validate(await request.json())
+        except ValidationError as e:
+            raise validation_error(e, nested=True) from None
+        except ValueError:  # json.JSONDecodeError, UnicodeDecodeError
+            raise bad_request("the body must be a JSON object", None) from None
+        reply = await ChatReply.open(body, catalog, triton_url, transcripts)
+        if body.stream:
+            return SpeechResponse(reply.stream, reply.events(), media_type="text/event-stream",
+                                  headers={"Cache-Control": "no-cache"})
+        try:
+            completion = await unless_disconnected(request.receive, reply.complete())
+        finally:
+            await reply.stream.close()
+        return JSONResponse(completion) if completion is not None else Response(status_code=499)
 
     @app.get("/v1/models")
     async def list_models():

@@ -17,12 +17,22 @@ RESPONSE_FORMATS = tuple(MEDIA_TYPES)
 UNKNOWN_SIZE = 0xFFFFFFFF  # what a streamed WAV puts in its RIFF and data sizes
 
 
-def wav_header(sample_rate: int, channels: int = 1, bits: int = 16) -> bytes:
-    """A 44-byte PCM WAV header whose sizes say "unknown": readers take the data to the end of the stream."""
+def wav_header(sample_rate: int, channels: int = 1, bits: int = 16, data_bytes: int | None = None) -> bytes:
+    """A 44-byte PCM WAV header; without `data_bytes` its sizes say "unknown": readers take the data to the end of
+    the stream."""
     block = channels * bits // 8
-    return (b"RIFF" + struct.pack("<I", UNKNOWN_SIZE) + b"WAVE"
+    riff = UNKNOWN_SIZE if data_bytes is None else 36 + data_bytes
+    return (b"RIFF" + struct.pack("<I", riff) + b"WAVE"
             + b"fmt " + struct.pack("<IHHIIHH", 16, 1, channels, sample_rate, sample_rate * block, block, bits)
-            + b"data" + struct.pack("<I", UNKNOWN_SIZE))
+            + b"data" + struct.pack("<I", UNKNOWN_SIZE if data_bytes is None else data_bytes))
+
+
+def encode_whole(pcm16: bytes, sample_rate: int, response_format: str) -> bytes:
+    """A whole reply as one file of `response_format` (a chat completion's audio): a WAV with its real sizes."""
+    if response_format == "wav":
+        return wav_header(sample_rate, data_bytes=len(pcm16)) + pcm16
+    encoder = AudioEncoder(response_format)
+    return encoder.start(sample_rate) + encoder.add(pcm16) + encoder.finish()
 
 
 class _Sink:

@@ -7,6 +7,10 @@ its `preprocess_model` the preprocess, whose config parameters say where the mod
 the front end (the model class decides
 them), so they are asked of it in one short-lived child interpreter (frontend_info): this process never loads
 a tokenizer, torch or weights.
+
+A conversation model (a spoken-dialogue model such as Step-Audio 2, /v1/chat/completions) is a speech model that
+also answers in text: its config lists a TEXT_OUT output. Its other inputs (INPUT_AUDIO, SYSTEM_PROMPT, HISTORY_*,
+SPEAK) say which parts of a chat request it can take. Nothing here goes by a model's name.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ class SpeechModel:
     engine: str  # the engine model it calls
     preprocess: str | None
     inputs: tuple[str, ...]
+    outputs: tuple[str, ...] = ("AUDIO",)
     parameters: dict[str, str] = field(default_factory=dict)  # the preprocess step's (front end location)
     voices: tuple[str, ...] = ()  # named voices; a request without one gets the model's default (maybe unnamed)
     sample_rate: int | None = None
@@ -38,11 +43,16 @@ class SpeechModel:
     def voice_input(self) -> str | None:
         return next((name for name in VOICE_INPUTS if name in self.inputs), None)
 
+    @property
+    def conversation(self) -> bool:
+        """Answers in text too (TEXT_OUT): a chat model, served by /v1/chat/completions."""
+        return "TEXT_OUT" in self.outputs
+
     def describe(self) -> dict:
         return {"id": self.name, "object": "model", "created": 0, "owned_by": "voxbackend", "engine": self.engine,
                 "voices": list(self.voices), "voice_kind": {"VOICE": "name", "SPEAKER": "speaker_id"}.get(
                     self.voice_input), "sample_rate": self.sample_rate, "guidance": self.guidance,
-                "inputs": list(self.inputs),
+                "inputs": list(self.inputs), "conversation": self.conversation,
                 **({"info_error": self.info_error} if self.info_error else {})}
 
 
@@ -73,8 +83,8 @@ def read_models(url: str, timeout: float = 10.0) -> list[SpeechModel]:
         engine, preprocess = parts.get("engine_model"), parts.get("preprocess_model") or None
         if engine not in configs or "TEXT" not in inputs or "AUDIO" not in outputs:
             continue
-        models.append(SpeechModel(name, engine, preprocess,
-                                  inputs, _parameters(configs.get(preprocess, {})) if preprocess else {}))
+        models.append(SpeechModel(name, engine, preprocess, inputs, outputs,
+                                  _parameters(configs.get(preprocess, {})) if preprocess else {}))
     return models
 
 

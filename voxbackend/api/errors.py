@@ -20,7 +20,15 @@ TENSOR_PARAMS = {
     "CFG_WEIGHT": "cfg_weight", "EXAGGERATION": "exaggeration",
 }
 _ENGINE_FAILED = re.compile(r"\bengine (step )?failed|\bengine stopped|model is being unloaded")
-_NAME = re.compile(r"\b(" + "|".join(sorted(TENSOR_PARAMS, key=len, reverse=True)) + r")\b")
+
+
+def _name_pattern(names) -> re.Pattern:
+    """The first of `names` in a message, longest first: `HISTORY_TEXT[1]` before `HISTORY_TEXT`."""
+    alternatives = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+    return re.compile(r"(?<!\w)(" + alternatives + r")(?!\w)")
+
+
+_NAME = _name_pattern(TENSOR_PARAMS)
 
 
 @dataclass
@@ -51,15 +59,22 @@ def unavailable(message: str, code: str = "server_unavailable") -> ApiError:
     return ApiError(503, message, "server_error", None, code)
 
 
-def from_triton(message: str) -> ApiError:
-    """One error response of a Triton stream (or a gRPC failure) -> the HTTP error it means."""
+def from_triton(message: str, params: dict[str, str] | None = None) -> ApiError:
+    """One error response of a Triton stream (or a gRPC failure) -> the HTTP error it means.
+
+    params: the request's own map from what Triton names (tensors, `HISTORY_TEXT[1]`, the engine's words) to the
+    request's fields, where they are paths into its messages (a chat request). With it only tensor names (upper
+    case) are rewritten in the message: the engine's own words ("history has 33 turns") read right as they are."""
     text = message.strip()
     if "InvalidRequest:" in text:
         detail = text[text.index("InvalidRequest:") + len("InvalidRequest:"):].strip()
-        named = _NAME.search(detail)
+        names = TENSOR_PARAMS if params is None else params
+        named = (_NAME if params is None else _name_pattern(params)).search(detail)
         if named is None:
             return bad_request(detail, None)
-        param = TENSOR_PARAMS[named.group(1)]  # and say it the way the client sent it: "top_p must be in (0, 1]"
+        param = names[named.group(1)]  # and say it the way the client sent it: "top_p must be in (0, 1]"
+        if params is not None and not named.group(1).isupper():
+            return bad_request(detail, param)
         return bad_request(detail[:named.start()] + param + detail[named.end():], param)
     if "EngineOverloaded" in text:
         return ApiError(429, _after(text, "EngineOverloaded:") + " (retry later)", "rate_limit_error", None,

@@ -1,4 +1,5 @@
-"""The request bodies: OpenAI's /v1/audio/speech fields plus our sampling extras, and the WebSocket's start."""
+"""The request bodies: OpenAI's /v1/audio/speech fields plus our sampling extras (chat_request.py takes them too),
+and the WebSocket's start."""
 from __future__ import annotations
 
 from typing import Annotated, Literal
@@ -28,13 +29,11 @@ class VoiceRef(BaseModel):
     id: str
 
 
-class SynthesisOptions(BaseModel):
-    """Which model and voice, and how to sample: shared by the HTTP body and the WebSocket's start message."""
+class SamplingFields(BaseModel):
+    """How to sample: our extras on every endpoint (the speech body, the WebSocket's start, a chat request)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None  # required over HTTP (OpenAI); the WebSocket defaults to the first served model
-    voice: str | int | VoiceRef | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int32 | None = None
@@ -43,11 +42,18 @@ class SynthesisOptions(BaseModel):
     max_tokens: Int32 | None = None
     seed: Int64 | None = None
     cfg_weight: float | None = None  # classifier-free guidance (Chatterbox); other models take only 0
-    exaggeration: float | None = None  # a model input (MODEL_TENSORS)
 
     def sampling(self) -> dict[str, float | int]:
         return {tensor: getattr(self, field) for field, tensor in SAMPLING_TENSORS.items()
                 if getattr(self, field) is not None}
+
+
+class SynthesisOptions(SamplingFields):
+    """Which model and voice, and how to sample: shared by the HTTP body and the WebSocket's start message."""
+
+    model: str | None = None  # required over HTTP (OpenAI); the WebSocket defaults to the first served model
+    voice: str | int | VoiceRef | None = None
+    exaggeration: float | None = None  # a model input (MODEL_TENSORS)
 
     def model_inputs(self, model: SpeechModel) -> dict[str, float]:
         """The model's own inputs given (tensor -> value); one the model does not take is a 400 naming the field."""
@@ -103,12 +109,17 @@ class SpeechRequest(SynthesisOptions):
                               "stream_format", "unsupported_value")
 
 
-def validation_error(e: ValidationError | list[dict]) -> ApiError:
-    """pydantic's (or FastAPI's) first error -> a 400 naming the field."""
+def validation_error(e: ValidationError | list[dict], nested: bool = False) -> ApiError:
+    """pydantic's (or FastAPI's) first error -> a 400 naming the field: its top-level name, or with `nested` its
+    path as OpenAI writes it (`audio.format`, `messages[2].role`): for models without unions only, as pydantic puts
+    a union member's type name into the path."""
     errors = e.errors() if isinstance(e, ValidationError) else e
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-    param = loc[0] if loc else None
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    if nested:
+        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+    else:
+        param = str(loc[0]) if loc else None
     if first.get("type") == "extra_forbidden":
         return bad_request(f"unknown field {param!r}", param, "unknown_parameter")
     if first.get("type") == "missing":

@@ -1,4 +1,5 @@
-"""One Triton streaming request as an async iterator of PCM16 chunks, for the asyncio side of the service.
+"""One Triton streaming request as an async iterator of PCM16 chunks (and, from a model that answers in text too,
+text pieces in their place among them), for the asyncio side of the service.
 
 The gRPC stream is the project's client (voxbackend.stream_client.StreamCall): tritonclient calls back on its own
 thread; each response is handed to the event loop through a queue. close() hangs up, cancelling the request
@@ -26,22 +27,31 @@ class AudioChunk:
     index: int
 
 
-class SpeechStream:
-    """Send one request; `await next()` gives its chunks in order, then None; a Triton error raises ApiError."""
+@dataclass
+class TextPiece:
+    text: str  # the reply's text since the previous piece (TEXT_OUT: whole characters)
+    audio_chunks: int  # audio chunks sent before it
 
-    def __init__(self, url: str, model: str, inputs: list):
+
+class SpeechStream:
+    """Send one request; `await next()` gives its audio chunks in order, then None (`next_event()` the text pieces
+    too, as Triton sent them); a Triton error raises ApiError, its param found through `params` (errors.py)."""
+
+    def __init__(self, url: str, model: str, inputs: list, params: dict[str, str] | None = None):
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._params = params
         self.done = False  # Triton's final response (or an error) arrived: nothing is running any more
         self.finish_reason: str | None = None
         self.chunks = 0
         self.sample_rate = 0
+        self.seed: int | None = None  # SEED_USED: sent back as the seed it reproduces the reply
         self._call: StreamCall | None = None
         try:
             self._call = StreamCall(url, model, inputs, self._on_response, request_id=f"api-{next(_ids)}")
         except Exception as e:  # tritonclient refused before sending (bad address...)
             self.done = True
-            raise from_triton(str(e)) from None
+            raise from_triton(str(e), params) from None
 
     def _on_response(self, result, error) -> None:  # tritonclient's stream thread
         try:
@@ -50,14 +60,23 @@ class SpeechStream:
             pass
 
     async def next(self) -> AudioChunk | None:
+        """The next audio chunk; text pieces are passed over (a speech client wants the audio alone)."""
+        while (event := await self.next_event()) is not None:
+            if isinstance(event, AudioChunk):
+                return event
+        return None
+
+    async def next_event(self) -> AudioChunk | TextPiece | None:
         while not self.done:
             result, error = await self._queue.get()
             if error is not None:
                 self.done = True
-                raise from_triton(str(error))
+                raise from_triton(str(error), self._params)
             audio = result.as_numpy("AUDIO")
             data = bytes(audio.reshape(-1)[0]) if audio is not None and audio.size else b""
+            text = response_scalar(result, "TEXT_OUT", "")
             self.sample_rate = int(response_scalar(result, "SAMPLE_RATE", self.sample_rate) or 0)
+            self.seed = response_scalar(result, "SEED_USED", self.seed)
             if response_scalar(result, "FINAL", False):
                 self.finish_reason = response_scalar(result, "FINISH_REASON", "") or None
             if is_triton_final(result):
@@ -65,6 +84,8 @@ class SpeechStream:
             if data:
                 self.chunks += 1
                 return AudioChunk(data, self.sample_rate, int(response_scalar(result, "CHUNK_INDEX", self.chunks - 1)))
+            if text:
+                return TextPiece(text, self.chunks)
         return None
 
     async def close(self) -> None:

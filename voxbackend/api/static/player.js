@@ -31,9 +31,13 @@ async function loadModels() {
 }
 
 // The model's controls: its voices (first "(default)": no voice sent, the model's own, which may have no name,
-// as Chatterbox's built-in one), and the inputs only some models take.
+// as Chatterbox's built-in one), and the inputs only some models take. A conversation model (one that answers in
+// text too) gets the conversation panel (chat.js) instead of the text to speak.
 function showModel() {
   const m = models[$("model").value] || {};
+  const talks = !!m.conversation;
+  $("chat").hidden = !talks;
+  for (const id of ["text", "transport-control", "play"]) $(id).hidden = talks;
   const voices = m.voices || [];
   const byId = m.voice_kind === "speaker_id";
   $("voice").hidden = byId;
