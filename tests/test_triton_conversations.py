@@ -1,9 +1,10 @@
-"""Step-Audio 2 through Triton end to end: the committed step_audio2, step_audio2_engine and step_audio2_preprocess
-folders unchanged, on the run's shared committed-repository server (tests/conftest.py).
+"""The conversation models through Triton end to end (Step-Audio 2, GLM-4-Voice): the committed `<model>`,
+`<model>_engine` and `<model>_preprocess` folders unchanged, on the run's shared committed-repository server
+(tests/conftest.py).
 
-No checkpoint is configured, so the engine models build the tiny default Step-Audio 2 themselves (in the test run's
-VOXBACKEND_CACHE); the reference engine in this process loads that same checkpoint. Each conversation's reply comes
-back as TEXT_OUT pieces and audio chunks on one stream; both must be what the engine gives the same request alone.
+No checkpoint is configured, so the engine models build the tiny default checkpoints themselves (in the test run's
+VOXBACKEND_CACHE); the reference engine in this process loads the same one. Each conversation's reply comes back as
+TEXT_OUT pieces and audio chunks on one stream; both must be what the engine gives the same request alone.
 """
 from __future__ import annotations
 
@@ -26,8 +27,24 @@ from voxbackend.events import EventKind  # noqa: E402
 from voxbackend.stream_client import make_inputs, stream_request  # noqa: E402
 from tests.triton_util import COMMITTED, assert_matches, run_concurrently  # noqa: E402
 
-MAX_TOKENS = 64  # text and audio ids together: up to two token2wav chunks of audio
-RATE = 24000
+MAX_TOKENS = 64  # text and speech ids together: Step's token2wav chunks of 25, GLM's first block of 25 and the rest
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    name: str
+    checkpoint: str  # module:function() -> (model_dir, codec_dir), the server's default
+    rate: int
+    conditioning: tuple[str, ...]  # what the preprocess hands the engine beside the prompt ids
+
+
+MODELS = {
+    "step_audio2": Served("step_audio2", "voxbackend.models.step_audio2.tiny:ensure_default_step_audio2", 24000,
+                          ("AUDIO_MELS", "AUDIO_MEL_FRAMES", "PROMPT_SPEECH_TOKENS", "PROMPT_FEAT",
+                           "SPEAKER_EMBEDDING")),
+    "glm4_voice": Served("glm4_voice", "voxbackend.models.glm4_voice.tiny:ensure_default_glm4_voice", 22050,
+                         ("AUDIO_SAMPLES", "AUDIO_CLIP_SAMPLES", "SPEAK_REPLY")),
+}
 SYSTEM = "You are a friendly voice assistant. Answer briefly."
 
 
@@ -90,13 +107,18 @@ def server(committed_server):
     return committed_server
 
 
+@pytest.fixture(scope="module", params=list(MODELS))
+def served(request) -> Served:
+    return MODELS[request.param]
+
+
 @pytest.fixture(scope="module")
-def reference(server):
+def reference(server, served):
     """The engine in this process, on the checkpoint the server built: each conversation alone."""
     import voxbackend
-    from voxbackend.models.step_audio2.tiny import ensure_default_step_audio2
+    from voxbackend.triton.loading import import_object
 
-    model_dir, _ = ensure_default_step_audio2()  # the server's build (the run's cache)
+    model_dir, _ = import_object(served.checkpoint)()  # the server's build (the run's cache)
     engine = voxbackend.load(model_dir)
     engine.start()
 
@@ -122,52 +144,53 @@ def reference(server):
         engine.shutdown()
 
 
-def assert_reply(out, expected: Reply, fmt: str, what: str) -> None:
+def assert_reply(out, expected: Reply, fmt: str, what: str, rate: int) -> None:
     assert [piece for _, _, piece in out.text_pieces] == expected.text_pieces, f"{what}: text pieces"
     # in order with the audio: a text piece says how many audio chunks came before it, and so many had
     before = [sum(t_chunk <= t for t_chunk in out.arrivals) for t, _, _ in out.text_pieces]
     assert [index for _, index, _ in out.text_pieces] == before, f"{what}: text out of order with the audio"
     if expected.audio.size:
-        assert_matches(out, expected.audio, fmt, what, RATE, atol=1e-4)
+        assert_matches(out, expected.audio, fmt, what, rate, atol=1e-4)
     else:
         assert out.error is None and out.finish_reason in ("stop", "length") and not out.chunks, what
 
 
-def test_8_concurrent_conversations_match_the_engine(server, reference):
-    jobs = [lambda c=c, i=i: stream_request(server.grpc_url, "step_audio2", c.inputs(), c.fmt, timeout=240,
-                                            request_id=f"sa{i}") for i, c in enumerate(CONVERSATIONS)]
+def test_8_concurrent_conversations_match_the_engine(server, served, reference):
+    jobs = [lambda c=c, i=i: stream_request(server.grpc_url, served.name, c.inputs(), c.fmt, timeout=240,
+                                            request_id=f"conversation{i}") for i, c in enumerate(CONVERSATIONS)]
     outs = run_concurrently(jobs)
     spoken = 0
     for i, (turn, out) in enumerate(zip(CONVERSATIONS, outs)):
         expected = reference(turn)
-        assert_reply(out, expected, turn.fmt, f"conversation {i}")
+        assert_reply(out, expected, turn.fmt, f"{served.name} conversation {i}", served.rate)
         spoken += bool(expected.audio.size)
     assert spoken >= 6, "the tiny model's replies carry audio"
     assert sum(bool(out.text) for out in outs) >= 6, "and text"
 
 
-def test_the_engine_model_and_the_preprocess_chained_to_it(server, reference):
-    """step_audio2_engine prepares a turn itself; or takes the preprocess's prompt ids and spectrograms."""
+def test_the_engine_model_and_the_preprocess_chained_to_it(server, served, reference):
+    """`<model>_engine` prepares a turn itself; or takes the preprocess's prompt ids and clip arrays."""
     turn = dataclasses.replace(CONVERSATIONS[1], seed=200)
     expected = reference(turn)
-    out = stream_request(server.grpc_url, "step_audio2_engine", turn.inputs(), turn.fmt, timeout=240)
-    assert_reply(out, expected, turn.fmt, "step_audio2_engine")
+    engine = f"{served.name}_engine"
+    out = stream_request(server.grpc_url, engine, turn.inputs(), turn.fmt, timeout=240)
+    assert_reply(out, expected, turn.fmt, engine, served.rate)
     client = tritonclient.InferenceServerClient(server.grpc_url)
     try:
-        prepared = client.infer("step_audio2_preprocess", turn.inputs())
+        prepared = client.infer(f"{served.name}_preprocess", turn.inputs())
     finally:
         client.close()
-    assert prepared.as_numpy("AUDIO_MELS").shape[0] == 128 and prepared.as_numpy("AUDIO_MEL_FRAMES").size == 1
-    names = ("PROMPT_IDS", "AUDIO_MELS", "AUDIO_MEL_FRAMES", "PROMPT_SPEECH_TOKENS", "PROMPT_FEAT",
-             "SPEAKER_EMBEDDING", "MAX_TOKENS", "SEED", "TEMPERATURE", "TOP_P", "REPETITION_PENALTY", "AUDIO_FORMAT")
+    names = ("PROMPT_IDS", *served.conditioning, "MAX_TOKENS", "SEED", "TEMPERATURE", "TOP_P", "TOP_K",
+             "REPETITION_PENALTY", "AUDIO_FORMAT")
     chained = []
     for name in names:
         value = prepared.as_numpy(name)
+        assert value is not None and value.size, f"the preprocess sent no {name}"
         t = tritonclient.InferInput(name, list(value.shape), prepared.get_output(name).datatype)
         t.set_data_from_numpy(value)
         chained.append(t)
-    out = stream_request(server.grpc_url, "step_audio2_engine", chained, turn.fmt, timeout=240)
-    assert_reply(out, expected, turn.fmt, "preprocess -> engine")
+    out = stream_request(server.grpc_url, engine, chained, turn.fmt, timeout=240)
+    assert_reply(out, expected, turn.fmt, "preprocess -> engine", served.rate)
 
 
 def _tensor(name: str, value: np.ndarray, dtype: str):
@@ -196,31 +219,32 @@ BAD = {
 }
 
 
-def test_bad_turns_are_refused_naming_the_field_while_a_conversation_plays(server, reference):
+def test_bad_turns_are_refused_naming_the_field_while_a_conversation_plays(server, served, reference):
     playing = dataclasses.replace(CONVERSATIONS[0], seed=300)
     result = {}
     thread = threading.Thread(target=lambda: result.update(out=stream_request(
-        server.grpc_url, "step_audio2", playing.inputs(), playing.fmt, timeout=240)))
+        server.grpc_url, served.name, playing.inputs(), playing.fmt, timeout=240)))
     thread.start()
     failures = []
-    for model in ("step_audio2", "step_audio2_engine"):
+    for model in (served.name, f"{served.name}_engine"):
         for name, (inputs, message) in BAD.items():
             out = stream_request(server.grpc_url, model, inputs, timeout=60, linger_s=0.2)
             if not (out.error and message in out.error and out.responses == 1 and not out.chunks):
                 failures.append(f"{model} / {name}: error={out.error!r} responses={out.responses}")
     thread.join()
     assert not failures, "\n".join(failures)
-    assert_reply(result["out"], reference(playing), playing.fmt, "the conversation beside the refusals")
+    assert_reply(result["out"], reference(playing), playing.fmt, "the conversation beside the refusals", served.rate)
 
 
-def test_the_voice_chat_client_prints_the_reply_text_and_writes_its_speech(server, reference, tmp_path, capsys):
+def test_the_voice_chat_client_prints_the_reply_text_and_writes_its_speech(server, served, reference, tmp_path,
+                                                                            capsys):
     from clients import voice_chat
 
     question, earlier = tmp_path / "question.wav", tmp_path / "earlier.wav"
     question.write_bytes(wav(1.1, 16000, 8))
     earlier.write_bytes(wav(0.7, 16000, 9))
-    code = voice_chat.main(["--url", server.grpc_url, "--audio", str(question), "--system", SYSTEM,
-                            "--history", f"user@{earlier}", "--history", "assistant: It is a tone.",
+    code = voice_chat.main(["--url", server.grpc_url, "--model", served.name, "--audio", str(question),
+                            "--system", SYSTEM, "--history", f"user@{earlier}", "--history", "assistant: It is a tone.",
                             "--seed", "500", "--max-tokens", str(MAX_TOKENS), "--out", str(tmp_path / "reply.wav")])
     printed = capsys.readouterr().out
     assert code == 0, printed
@@ -229,5 +253,5 @@ def test_the_voice_chat_client_prints_the_reply_text_and_writes_its_speech(serve
     assert expected.audio.size and expected.text_pieces
     assert printed.startswith("reply: " + "".join(expected.text_pieces) + "\n"), printed
     audio, rate = sf.read(tmp_path / "reply.wav", dtype="float32")
-    assert rate == RATE and audio.size == expected.audio.size
+    assert rate == served.rate and audio.size == expected.audio.size
     np.testing.assert_allclose(audio, np.clip(expected.audio, -1, 1), atol=1e-4 + 1 / 32767)
