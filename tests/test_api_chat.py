@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,3 +183,33 @@ def test_transcripts_expire_and_are_bounded(monkeypatch):
     assert [transcripts.get(f"audio_{n}") for n in range(3)] == [None, "reply 1", "reply 2"]
     monkeypatch.setattr("voxbackend.api.replies.time.time", lambda: 2e10)
     assert transcripts.get("audio_2") is None
+
+
+def test_a_22_khz_reply_streams_as_24_khz_pcm16_equal_to_the_whole_resampled():
+    """GLM-4-Voice speaks at 22.05 kHz; OpenAI's pcm16 is 24 kHz: the streamed deltas, joined, are the whole reply
+    resampled (audio_io.StreamResampler holds each chunk's last fraction of a millisecond for the next), and a
+    whole reply in pcm16 is the same samples."""
+    from voxbackend.audio_io import StreamResampler, resample
+    from voxbackend.triton.audio_encoding import decode, encode
+
+    rng = np.random.default_rng(0)
+    audio = (0.3 * rng.standard_normal(22050)).astype(np.float32)
+    cuts = [0, 5000, 5001, 13000, 22050]
+    chunks = [AudioChunk(encode(audio[a:b], "pcm16"), 22050, i) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+    want = decode(encode(resample(decode(encode(audio, "pcm16"), "pcm16"), 22050, 24000), "pcm16"), "pcm16")
+    events = sse(ChatReply(TALKER, StandIn(chunks[1:]), chunks[0], True, "pcm16", Transcripts()))
+    data = [e["choices"][0]["delta"].get("audio", {}).get("data") for e in events[:-1]]
+    streamed = decode(b"".join(base64.b64decode(d) for d in data if d), "pcm16")
+    np.testing.assert_array_equal(streamed, want)
+    stream = StandIn(chunks[1:])
+    stream.sample_rate = 22050
+    whole = asyncio.run(ChatReply(TALKER, stream, chunks[0], True, "pcm16", Transcripts()).complete())
+    np.testing.assert_array_equal(decode(base64.b64decode(whole["choices"][0]["message"]["audio"]["data"]), "pcm16"),
+                                  want)
+    # the resampler alone: chunks of any size give the whole stream's samples
+    resampler, parts, at = StreamResampler(22050, 24000), [], 0
+    for n in rng.integers(1, 3000, size=20):
+        parts.append(resampler.push(audio[at:at + n]))
+        at += n
+    parts += [resampler.push(audio[at:]), resampler.flush()]
+    np.testing.assert_allclose(np.concatenate(parts), resample(audio, 22050, 24000), atol=1e-6, rtol=0)

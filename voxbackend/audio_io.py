@@ -115,3 +115,49 @@ def _kernels(up: int, down: int) -> tuple[torch.Tensor, int]:
     window = np.where(inside, np.i0(KAISER_BETA * np.sqrt(np.clip(1 - (tau / half) ** 2, 0, None))), 0.0)
     h = cutoff * np.sinc(cutoff * tau) * window / np.i0(KAISER_BETA)
     return torch.from_numpy(h[:, None, :]), pad
+
+
+class StreamResampler:
+    """`resample` over a stream that arrives in chunks: the samples out equal resample(whole stream), each given as
+    soon as every input sample its filter reads has arrived (the filter's half-width, ~0.4 ms at 22 or 24 kHz, is
+    held back until the next chunk or `flush`)."""
+
+    def __init__(self, src: int, dst: int):
+        g = math.gcd(src, dst)
+        self.src, self.dst, self.up, self.down = src, dst, dst // g, src // g
+        self.pad = _kernels(self.up, self.down)[1] if src != dst else 0
+        self.buffer = np.zeros(0, np.float32)
+        self.start = 0  # stream index of buffer[0], a multiple of `down`
+        self.received = 0
+        self.sent = 0  # output samples given so far
+
+    def push(self, audio: np.ndarray) -> np.ndarray:
+        audio = np.asarray(audio, np.float32).reshape(-1)
+        if self.src == self.dst:
+            return audio
+        self.buffer = np.concatenate([self.buffer, audio])
+        self.received += audio.size
+        # output k reads inputs up to floor(k * down / up) + pad + 1; give those whose inputs are all here
+        ready = max(0, ((self.received - self.pad - 1) * self.up) // self.down + 1)
+        return self._emit(min(ready, -(-self.received * self.up // self.down)))
+
+    def flush(self) -> np.ndarray:
+        """The rest, the stream ended (zeros past its end, as resample pads)."""
+        if self.src == self.dst:
+            return np.zeros(0, np.float32)
+        return self._emit(-(-self.received * self.up // self.down))
+
+    def _emit(self, until: int) -> np.ndarray:
+        if until <= self.sent:
+            return np.zeros(0, np.float32)
+        out = resample(self.buffer, self.src, self.dst)  # aligned: buffer[0] is output (start / down) * up
+        first = self.start // self.down * self.up
+        chunk = out[self.sent - first:until - first]
+        self.sent = until
+        # keep what the next outputs read: from `pad` before the next one's input time, down to a block boundary
+        keep_from = max(0, (self.sent * self.down) // self.up - self.pad - 1)
+        keep_from -= keep_from % self.down
+        if keep_from > self.start:
+            self.buffer = self.buffer[keep_from - self.start:]
+            self.start = keep_from
+        return chunk

@@ -8,6 +8,9 @@ chunks, in the order Triton sent them, become a `chat.completion` (whole) or `ch
                              delta.audio {id, expires_at}, then an empty delta with finish_reason, then [DONE]
     text reply:              message.content / delta.content
 
+Audio is 24 kHz, as OpenAI's is (its pcm16 carries no rate): a model that speaks at another rate (GLM-4-Voice,
+22.05 kHz) is resampled, chunk by chunk as it streams (audio_io.StreamResampler: the same samples as the whole).
+
 `usage` is left out: this process holds no tokenizer to count the prompt. The request is sent before the response
 starts and the first event awaited, so every error Triton reports before the reply (all input errors, overload) gets
 its HTTP status; a later one ends the event stream with an `{"error": ...}` event (the openai client raises it).
@@ -29,10 +32,12 @@ from voxbackend.api.chat_turns import conversation
 from voxbackend.api.errors import ApiError
 from voxbackend.api.replies import Transcripts
 from voxbackend.api.triton_stream import AudioChunk, SpeechStream, TextPiece
+from voxbackend.audio_io import StreamResampler, resample
+from voxbackend.triton.audio_encoding import decode, encode
 from voxbackend.stream_client import make_inputs
 
 log = logging.getLogger("voxbackend.api")
-RATE = 24000  # when a reply ends before Triton said its rate (no audio at all)
+RATE = 24000  # OpenAI's audio rate: every reply's audio is sent at it
 
 
 @dataclass
@@ -45,6 +50,7 @@ class ChatReply:
     speaks: bool
     audio_format: str
     transcripts: Transcripts
+    resampler: StreamResampler | None = None  # the model's rate -> RATE, from the first audio chunk
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     audio_id: str = field(default_factory=lambda: f"audio_{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
@@ -80,7 +86,9 @@ class ChatReply:
         transcript = "".join(text)
         message: dict = {"role": "assistant", "content": transcript, "refusal": None}
         if self.speaks:
-            data = encode_whole(b"".join(pcm), self.stream.sample_rate or RATE, AUDIO_FORMATS[self.audio_format])
+            audio = decode(b"".join(pcm), "pcm16")
+            data = encode_whole(encode(resample(audio, self.stream.sample_rate or RATE, RATE), "pcm16"), RATE,
+                                AUDIO_FORMATS[self.audio_format])
             message.update(content=None, audio={
                 "id": self.audio_id, "data": base64.b64encode(data).decode(),
                 "expires_at": self.transcripts.add(self.audio_id, transcript), "transcript": transcript})
@@ -94,9 +102,14 @@ class ChatReply:
                  **extra}
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
+    def _audio_delta(self, pcm16: bytes) -> dict:
+        return {"audio": {"id": self.audio_id, "data": base64.b64encode(pcm16).decode()}}
+
     def _delta(self, event: AudioChunk | TextPiece) -> dict:
         if isinstance(event, AudioChunk):
-            return {"audio": {"id": self.audio_id, "data": base64.b64encode(event.pcm16).decode()}}
+            if self.resampler is None:
+                self.resampler = StreamResampler(event.sample_rate, RATE)
+            return self._audio_delta(encode(self.resampler.push(decode(event.pcm16, "pcm16")), "pcm16"))
         if self.speaks:
             return {"audio": {"id": self.audio_id, "transcript": event.text}}
         return {"content": event.text}
@@ -117,6 +130,9 @@ class ChatReply:
                 event = await self.stream.next_event()
                 if event is not None:
                     yield self._chunk(self._delta(event))
+            rest = self.resampler.flush() if self.resampler is not None else ()
+            if len(rest):
+                yield self._chunk(self._audio_delta(encode(rest, "pcm16")))
             if self.speaks:
                 expires_at = self.transcripts.add(self.audio_id, "".join(text))
                 yield self._chunk({"audio": {"id": self.audio_id, "expires_at": expires_at}})
