@@ -433,7 +433,7 @@ def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__, epilog=METHOD,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="orpheus", choices=["orpheus", "csm", "qwen3_tts", "cosyvoice2", "chatterbox",
-                                                          "step_audio2"],
+                                                          "step_audio2", "glm4_voice"],
                     help="csm: perf/csm_bench.py (tiny CSM vs transformers generate + Mimi); qwen3_tts: "
                          "perf/qwen3_tts_bench.py (tiny Qwen3-TTS vs the reference generate + decode); for both "
                          "--max-tokens = frames; cosyvoice2: perf/cosyvoice2_bench.py (tiny CosyVoice2 vs the "
@@ -441,7 +441,9 @@ def parse_args(argv: list[str] | None):
                          "perf/chatterbox_bench.py (tiny Chatterbox vs upstream T3.inference + S3Gen), the same cap; "
                          "step_audio2: perf/step_audio2_bench.py (tiny Step-Audio 2 vs encoder + Qwen2 generate + "
                          "upstream Token2wav), --max-tokens caps its LM tokens (text and audio ids), --naive-requests "
-                         "defaults to 8")
+                         "defaults to 8; glm4_voice: perf/glm4_voice_bench.py (tiny GLM-4-Voice vs speech tokenizer + "
+                         "GlmForCausalLM generate + upstream flow/HiFT blocks), --max-tokens caps its LM tokens (text "
+                         "and speech ids), --naive-requests defaults to 6")
     ap.add_argument("--size", default="bench", choices=["bench", "tiny", "quick"],
                     help="checkpoint size: voxbackend.models.orpheus.tiny SIZES, or 'quick' (smoke test)")
     ap.add_argument("--streams", default="1,8,32", help="comma-separated concurrent stream counts")
@@ -481,6 +483,9 @@ def parse_args(argv: list[str] | None):
     if args.model == "step_audio2":  # greedy tiny replies are ~1/5 audio ids: up to ~8 s of audio (~1.4 s quick)
         args.max_tokens = {256: 1000, 42: 160}.get(args.max_tokens, args.max_tokens)
         args.naive_requests = {4: 8}.get(args.naive_requests, args.naive_requests)  # reply lengths vary a lot
+    if args.model == "glm4_voice":  # greedy tiny replies run to the cap, mostly speech ids: ~30 s of audio (~8 quick)
+        args.max_tokens = {256: 400, 42: 160}.get(args.max_tokens, args.max_tokens)
+        args.naive_requests = {4: 6}.get(args.naive_requests, args.naive_requests)
     args.stream_counts = sorted({int(s) for s in str(args.streams).split(",") if s.strip()})
     if not args.stream_counts or min(args.stream_counts) < 1:
         ap.error("--streams needs positive integers")
@@ -515,6 +520,10 @@ def main(argv: list[str] | None = None) -> Path:
         import step_audio2_bench  # perf/step_audio2_bench.py
 
         return step_audio2_bench.run(args, *load_prompts(args.prompts), log)
+    if args.model == "glm4_voice":
+        import glm4_voice_bench  # perf/glm4_voice_bench.py
+
+        return glm4_voice_bench.run(args, *load_prompts(args.prompts), log)
     if args.ab_base is not None:
         return run_ab(args, argv)
     run_started = time.perf_counter()

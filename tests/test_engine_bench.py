@@ -138,3 +138,20 @@ def test_step_audio2_queued_ttfa_is_sum_of_earlier_services_plus_own(bench):
     R = step_audio2_bench.Result
     served = {0: R(1.0, 10.0, 1.0, 5, []), 3: R(2.0, 20.0, 1.0, 5, [])}  # mean service 15, mean own TTFA 1.5
     assert step_audio2_bench.queued_ttfa(4, served) == pytest.approx([1.0, 11.5, 26.5, 42.0])
+
+
+def test_glm4_voice_quick_run_writes_a_results_table(bench, tmp_path, capsys):
+    text, _ = quick_run(bench, tmp_path, capsys, "--model", "glm4_voice")
+    rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in text.splitlines() if ln.startswith("| ")]
+    assert {(n, s) for n in ("1", "4") for s in ("engine", "reference")} <= {tuple(r[:2]) for r in rows}
+    for r in rows[1:]:  # x real time, tokens/s, TTFA p50 / p90, tokens, audio, wall: served audio within the cap
+        assert all(float(x) > 0 for x in (r[3], r[4], r[5], r[6], r[8], r[9])) and 0 < float(r[7]) <= 160, r
+    for key in ("- commit:", "- cpu:", "random, seed 0", "- dataset:", "greedy, at most 160 tokens",
+                "GlmForCausalLM.generate", "GlmAudioDecoder.token2wav", "from the end of the user's clip"):
+        assert key in text, key
+    for label in ("Ratio engine/reference (x real time):", "TTFA p50, reference/engine:"):
+        line = next(ln for ln in text.splitlines() if ln.startswith(label))
+        ratios = [float(x.split()[-1].rstrip("x")) for x in line.split(":", 1)[1].split(",")]
+        assert len(ratios) == 2 and all(r > 0 for r in ratios)
+    # greedy on both sides: the reference says what the engine says, and speaks as long
+    assert "and so does its audio's length, for 2 of the 2 requests" in text
