@@ -255,3 +255,31 @@ def test_the_voice_chat_client_prints_the_reply_text_and_writes_its_speech(serve
     audio, rate = sf.read(tmp_path / "reply.wav", dtype="float32")
     assert rate == served.rate and audio.size == expected.audio.size
     np.testing.assert_allclose(audio, np.clip(expected.audio, -1, 1), atol=1e-4 + 1 / 32767)
+
+
+def test_the_chat_endpoint_gives_the_models_reply_at_24_khz(server, served, reference):
+    """POST /v1/chat/completions (the speech API in this process, on the shared server): the transcript and the
+    audio are the engine's, the audio resampled to OpenAI's 24 kHz (GLM-4-Voice speaks at 22.05 kHz)."""
+    import base64
+
+    from fastapi.testclient import TestClient
+
+    from voxbackend.api.app import create_app
+    from voxbackend.audio_io import resample
+
+    clip = wav(1.3, 16000, 11)
+    body = {"model": served.name, "modalities": ["text", "audio"], "audio": {"voice": "default", "format": "pcm16"},
+            "seed": 600, "max_completion_tokens": MAX_TOKENS,
+            "messages": [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": [{"type": "input_audio", "input_audio": {
+                             "data": base64.b64encode(clip).decode(), "format": "wav"}}]}]}
+    with TestClient(create_app(server.grpc_url, prefetch_voices=False)) as api:
+        response = api.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    said = response.json()["choices"][0]["message"]["audio"]
+    expected = reference(Turn(audio=clip, system=SYSTEM, seed=600))
+    assert expected.audio.size and said["transcript"] == "".join(expected.text_pieces)
+    got = np.frombuffer(base64.b64decode(said["data"]), "<i2").astype(np.float32) / 32767
+    want = resample(np.round(np.clip(expected.audio, -1, 1) * 32767) / 32767, served.rate, 24000)
+    assert got.size == want.size
+    np.testing.assert_allclose(got, want, atol=3e-4)
