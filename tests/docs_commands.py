@@ -187,7 +187,7 @@ def point_at(text: str, scratch: Path, server: Endpoints | None) -> str:
     text = re.sub(r"\b(localhost|triton-host):8001\b", server.grpc, text)
     if server.api:
         text = re.sub(r"http://localhost:9000", server.api, text)
-    if re.search(r"clients\.tts_stream|perf/text_stream_ttfa\.py", text) and "--url" not in text:
+    if re.search(r"clients\.(tts_stream|voice_chat)|perf/text_stream_ttfa\.py", text) and "--url" not in text:
         text += f" --url {server.grpc}"
     return text
 

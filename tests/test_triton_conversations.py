@@ -122,21 +122,34 @@ def reference(server, served):
     engine = voxbackend.load(model_dir)
     engine.start()
 
-    def reply(turn: Turn) -> Reply:
-        sampling = dataclasses.replace(engine.model.default_sampling(), max_tokens=turn.max_tokens, seed=turn.seed)
-        events, done = [], threading.Event()
+    def replies(turns: list[Turn]) -> list[Reply]:
+        """Submitted together: a request's reply does not depend on its batch (the engine's parity tests)."""
+        events: list[list] = [[] for _ in turns]
+        done = [threading.Event() for _ in turns]
 
-        def on_event(e) -> None:
-            events.append(e)
+        def on_event(i: int, e) -> None:
+            events[i].append(e)
             if e.final:
-                done.set()
+                done[i].set()
 
-        engine.submit(engine.model.prepare(turn.text, **turn.prepare_options()), sampling, on_event)
-        assert done.wait(240), "the reference engine did not finish"
-        assert events[-1].kind is EventKind.FINISHED, events[-1].error
-        audio = [e.audio for e in events if e.kind is EventKind.AUDIO]
-        return Reply(np.concatenate(audio) if audio else np.zeros(0, np.float32),
-                     [e.text for e in events if e.kind is EventKind.TEXT])
+        for i, turn in enumerate(turns):
+            sampling = dataclasses.replace(engine.model.default_sampling(), max_tokens=turn.max_tokens,
+                                           seed=turn.seed)
+            engine.submit(engine.model.prepare(turn.text, **turn.prepare_options()), sampling,
+                          lambda e, i=i: on_event(i, e))
+        out = []
+        for got, finished in zip(events, done):
+            assert finished.wait(240), "the reference engine did not finish"
+            assert got[-1].kind is EventKind.FINISHED, got[-1].error
+            audio = [e.audio for e in got if e.kind is EventKind.AUDIO]
+            out.append(Reply(np.concatenate(audio) if audio else np.zeros(0, np.float32),
+                             [e.text for e in got if e.kind is EventKind.TEXT]))
+        return out
+
+    def reply(turn: Turn) -> Reply:
+        return replies([turn])[0]
+
+    reply.many = replies
 
     try:
         yield reply
@@ -160,8 +173,7 @@ def test_8_concurrent_conversations_match_the_engine(server, served, reference):
                                             request_id=f"conversation{i}") for i, c in enumerate(CONVERSATIONS)]
     outs = run_concurrently(jobs)
     spoken = 0
-    for i, (turn, out) in enumerate(zip(CONVERSATIONS, outs)):
-        expected = reference(turn)
+    for i, (turn, out, expected) in enumerate(zip(CONVERSATIONS, outs, reference.many(CONVERSATIONS))):
         assert_reply(out, expected, turn.fmt, f"{served.name} conversation {i}", served.rate)
         spoken += bool(expected.audio.size)
     assert spoken >= 6, "the tiny model's replies carry audio"
@@ -240,6 +252,9 @@ def test_the_voice_chat_client_prints_the_reply_text_and_writes_its_speech(serve
                                                                             capsys):
     from clients import voice_chat
 
+    if served.name != "step_audio2":
+        pytest.skip("the client names no model's own input: Step-Audio 2 shows it")
+
     question, earlier = tmp_path / "question.wav", tmp_path / "earlier.wav"
     question.write_bytes(wav(1.1, 16000, 8))
     earlier.write_bytes(wav(0.7, 16000, 9))
@@ -263,6 +278,9 @@ def test_the_chat_endpoint_gives_the_models_reply_at_24_khz(server, served, refe
     import base64
 
     from fastapi.testclient import TestClient
+
+    if served.name != "glm4_voice":
+        pytest.skip("tests/test_api.py holds Step-Audio 2's chat replies to the Triton client's with the openai client")
 
     from voxbackend.api.app import create_app
     from voxbackend.audio_io import resample
