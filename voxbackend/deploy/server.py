@@ -241,6 +241,9 @@ class TritonServer:
             # the configs are complete: without this the Python backend starts one extra stub per model at load
             # just to ask it for config additions (about 3 s of a core each)
             "--disable-auto-complete-config",
+            # a stub that answers its first message later than this fails its model's load; the default 30 s was
+            # seen to bring the whole server down (a boost lock_exception) while 26 stubs loaded on 2 busy cores
+            "--backend-config=python,stub-timeout-seconds=120",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}", *self.extra_args,
         ]
 
