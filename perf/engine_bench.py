@@ -483,8 +483,8 @@ def parse_args(argv: list[str] | None):
     if args.model == "step_audio2":  # greedy tiny replies are ~1/5 audio ids: up to ~8 s of audio (~1.4 s quick)
         args.max_tokens = {256: 1000, 42: 160}.get(args.max_tokens, args.max_tokens)
         args.naive_requests = {4: 8}.get(args.naive_requests, args.naive_requests)  # reply lengths vary a lot
-    if args.model == "glm4_voice":  # greedy tiny replies run to the cap, mostly speech ids: ~30 s of audio (~8 quick)
-        args.max_tokens = {256: 400, 42: 160}.get(args.max_tokens, args.max_tokens)
+    if args.model == "glm4_voice":  # greedy tiny replies run to the cap, mostly speech ids: ~30 s of audio (~4 quick)
+        args.max_tokens = {256: 400, 42: 80}.get(args.max_tokens, args.max_tokens)
         args.naive_requests = {4: 6}.get(args.naive_requests, args.naive_requests)
     args.stream_counts = sorted({int(s) for s in str(args.streams).split(",") if s.strip()})
     if not args.stream_counts or min(args.stream_counts) < 1:
