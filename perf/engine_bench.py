@@ -480,8 +480,8 @@ def parse_args(argv: list[str] | None):
         args.max_tokens = {256: 38, 42: 12}.get(args.max_tokens, args.max_tokens)
     if args.model in ("cosyvoice2", "chatterbox"):  # 25 Hz tokens, capped at ~6 s (~1.2 s quick)
         args.max_tokens = {256: 150, 42: 30}.get(args.max_tokens, args.max_tokens)
-    if args.model == "step_audio2":  # greedy tiny replies are ~1/5 audio ids: up to ~8 s of audio (~1.4 s quick)
-        args.max_tokens = {256: 1000, 42: 160}.get(args.max_tokens, args.max_tokens)
+    if args.model == "step_audio2":  # greedy tiny replies are ~1/5 audio ids: up to ~8 s of audio (~0.8 s quick)
+        args.max_tokens = {256: 1000, 42: 100}.get(args.max_tokens, args.max_tokens)
         args.naive_requests = {4: 8}.get(args.naive_requests, args.naive_requests)  # reply lengths vary a lot
     if args.model == "glm4_voice":  # greedy tiny replies run to the cap, mostly speech ids: ~30 s of audio (~4 quick)
         args.max_tokens = {256: 400, 42: 80}.get(args.max_tokens, args.max_tokens)
