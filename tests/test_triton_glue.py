@@ -603,3 +603,25 @@ def test_fake_engine_pages_grow_get_preempted_and_end_free():
             prompt, sampling = requests[rid]
             want = fake_audio(prompt, sampling.validated())
             assert len(audio.get(rid, [])) == len(want) and all(map(np.array_equal, audio[rid], want)), rid
+
+
+def test_a_default_checkpoint_is_found_without_a_child_interpreter_once_built(tmp_path, monkeypatch):
+    """Every stub resolves its model's default checkpoint; the child interpreter that builds or finds it runs once
+    per cache, later stubs read the note it left (while the folders exist)."""
+    from voxbackend.triton import loading
+
+    built = tmp_path / "model"
+    built.mkdir()
+    calls = []
+    monkeypatch.setenv("VOXBACKEND_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "call_in_child", lambda spec: calls.append(spec) or (str(built), None))
+    params = {"default_checkpoint": f"tests.nowhere:{tmp_path.name}"}
+    assert loading.resolve_checkpoint(params) == (str(built), None)
+    assert loading.resolve_checkpoint(params) == (str(built), None)
+    assert len(calls) == 1
+    monkeypatch.setenv("VOXBACKEND_CACHE", str(tmp_path / "another cache"))  # another cache: built again
+    loading.resolve_checkpoint(params)
+    built.rmdir()  # the folder went away: found again by the child
+    monkeypatch.setenv("VOXBACKEND_CACHE", str(tmp_path / "cache"))
+    loading.resolve_checkpoint(params)
+    assert len(calls) == 3

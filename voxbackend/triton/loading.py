@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib
 import json
 import os
@@ -68,14 +69,42 @@ def resolve_checkpoint(params: dict[str, str], in_process: bool = False) -> tupl
         model_dir, codec_dir = import_object(params["default_checkpoint"])()
         return str(model_dir), params.get("codec") or (str(codec_dir) if codec_dir else None)
     # Triton loads instances and models in parallel; only one of them may build the default checkpoint.
+    spec = params["default_checkpoint"]
     lock_path = Path(tempfile.gettempdir()) / f"voxbackend-default-checkpoint-{os.getuid()}.lock"
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            model_dir, codec_dir = call_in_child(params["default_checkpoint"])
+            found = built_before(spec)
+            model_dir, codec_dir = found or call_in_child(spec)
+            if found is None:
+                remember_built(spec, model_dir, codec_dir)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return model_dir, params.get("codec") or codec_dir
+
+
+def _built_record(spec: str) -> Path:
+    """Where a default checkpoint's folders are noted once built, for this user and cache (VOXBACKEND_CACHE)."""
+    key = hashlib.sha1(f"{spec}|{os.environ.get('VOXBACKEND_CACHE', '')}".encode()).hexdigest()[:20]
+    return Path(tempfile.gettempdir()) / f"voxbackend-default-checkpoints-{os.getuid()}" / f"{key}.json"
+
+
+def built_before(spec: str) -> tuple[str, str | None] | None:
+    """The folders an earlier call_in_child(spec) returned, if they still exist: every stub of every server would
+    otherwise start a child interpreter (about 1.8 s of a core, one at a time under the lock) to find them."""
+    try:
+        model_dir, codec_dir = json.loads(_built_record(spec).read_text())
+    except (OSError, ValueError):
+        return None
+    if not Path(model_dir).is_dir() or (codec_dir and not Path(codec_dir).is_dir()):
+        return None
+    return model_dir, codec_dir
+
+
+def remember_built(spec: str, model_dir: str, codec_dir: str | None) -> None:
+    record = _built_record(spec)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps([model_dir, codec_dir]))
 
 
 def call_in_child(spec: str) -> tuple[str, str | None]:
