@@ -100,34 +100,30 @@ def test_cosyvoice2_quick_run_writes_a_results_table(bench, tmp_path, capsys):
         assert len(ratios) == 2 and all(r > 0 for r in ratios)
 
 
-def test_chatterbox_quick_run_writes_a_results_table(bench, tmp_path, capsys):
-    text, _ = quick_run(bench, tmp_path, capsys, "--model", "chatterbox")
+def assert_reference_table(text: str, cap: int, keys: tuple[str, ...]) -> None:
+    """A model bench's results file (engine vs its reference at 1 and 4 streams): positive numbers, tokens within
+    the cap, its provenance, the METHOD `keys`, and both ratio lines."""
     rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in text.splitlines() if ln.startswith("| ")]
     assert {(n, s) for n in ("1", "4") for s in ("engine", "reference")} <= {tuple(r[:2]) for r in rows}
     for r in rows[1:]:  # x real time, tokens/s, TTFA p50 / p90, tokens, audio, wall: served audio within the cap
-        assert all(float(x) > 0 for x in (r[3], r[4], r[5], r[6], r[8], r[9])) and 0 < float(r[7]) <= 30, r
-    for key in ("- commit:", "- cpu:", "random, seed 0", "- dataset:", "at most 30 tokens", "T3.inference",
-                "S3Token2Wav.inference"):
+        assert all(float(x) > 0 for x in (r[3], r[4], r[5], r[6], r[8], r[9])) and 0 < float(r[7]) <= cap, r
+    for key in ("- commit:", "- cpu:", "random, seed 0", "- dataset:", *keys):
         assert key in text, key
     for label in ("Ratio engine/reference (x real time):", "TTFA p50, reference/engine:"):
         line = next(ln for ln in text.splitlines() if ln.startswith(label))
         ratios = [float(x.split()[-1].rstrip("x")) for x in line.split(":", 1)[1].split(",")]
         assert len(ratios) == 2 and all(r > 0 for r in ratios)
+
+
+def test_chatterbox_quick_run_writes_a_results_table(bench, tmp_path, capsys):
+    text, _ = quick_run(bench, tmp_path, capsys, "--model", "chatterbox")
+    assert_reference_table(text, 30, ("at most 30 tokens", "T3.inference", "S3Token2Wav.inference"))
 
 
 def test_step_audio2_quick_run_writes_a_results_table(bench, tmp_path, capsys):
     text, _ = quick_run(bench, tmp_path, capsys, "--model", "step_audio2")
-    rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in text.splitlines() if ln.startswith("| ")]
-    assert {(n, s) for n in ("1", "4") for s in ("engine", "reference")} <= {tuple(r[:2]) for r in rows}
-    for r in rows[1:]:  # x real time, tokens/s, TTFA p50 / p90, tokens, audio, wall: served audio within the cap
-        assert all(float(x) > 0 for x in (r[3], r[4], r[5], r[6], r[8], r[9])) and 0 < float(r[7]) <= 100, r
-    for key in ("- commit:", "- cpu:", "random, seed 0", "- dataset:", "greedy, at most 100 tokens",
-                "Qwen2ForCausalLM.generate", "Token2wav.set_stream_cache", "from the end of the user's clip"):
-        assert key in text, key
-    for label in ("Ratio engine/reference (x real time):", "TTFA p50, reference/engine:"):
-        line = next(ln for ln in text.splitlines() if ln.startswith(label))
-        ratios = [float(x.split()[-1].rstrip("x")) for x in line.split(":", 1)[1].split(",")]
-        assert len(ratios) == 2 and all(r > 0 for r in ratios)
+    assert_reference_table(text, 100, ("greedy, at most 100 tokens", "Qwen2ForCausalLM.generate",
+                                       "Token2wav.set_stream_cache", "from the end of the user's clip"))
     # greedy on both sides: the reference says what the engine says
     assert "the reference's reply equals the engine's for 2 of the 2 requests" in text
 
@@ -142,16 +138,7 @@ def test_step_audio2_queued_ttfa_is_sum_of_earlier_services_plus_own(bench):
 
 def test_glm4_voice_quick_run_writes_a_results_table(bench, tmp_path, capsys):
     text, _ = quick_run(bench, tmp_path, capsys, "--model", "glm4_voice")
-    rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in text.splitlines() if ln.startswith("| ")]
-    assert {(n, s) for n in ("1", "4") for s in ("engine", "reference")} <= {tuple(r[:2]) for r in rows}
-    for r in rows[1:]:  # x real time, tokens/s, TTFA p50 / p90, tokens, audio, wall: served audio within the cap
-        assert all(float(x) > 0 for x in (r[3], r[4], r[5], r[6], r[8], r[9])) and 0 < float(r[7]) <= 80, r
-    for key in ("- commit:", "- cpu:", "random, seed 0", "- dataset:", "greedy, at most 80 tokens",
-                "GlmForCausalLM.generate", "GlmAudioDecoder.token2wav", "from the end of the user's clip"):
-        assert key in text, key
-    for label in ("Ratio engine/reference (x real time):", "TTFA p50, reference/engine:"):
-        line = next(ln for ln in text.splitlines() if ln.startswith(label))
-        ratios = [float(x.split()[-1].rstrip("x")) for x in line.split(":", 1)[1].split(",")]
-        assert len(ratios) == 2 and all(r > 0 for r in ratios)
+    assert_reference_table(text, 80, ("greedy, at most 80 tokens", "GlmForCausalLM.generate",
+                                      "GlmAudioDecoder.token2wav", "from the end of the user's clip"))
     # greedy on both sides: the reference says what the engine says, and speaks as long
     assert "and so does its audio's length, for 2 of the 2 requests" in text
