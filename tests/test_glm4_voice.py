@@ -26,6 +26,7 @@ from voxbackend.models.checkpoint import load_safetensors, read_config
 from voxbackend.models.glm4_voice.chat import PATTERN, SPEECH_SYSTEM, TEXT_SYSTEM
 from voxbackend.models.glm4_voice.model import GLM4Voice
 from voxbackend.models.glm4_voice.tiny import write_tiny_glm4_voice
+from tests.util_engine_drive import run_staggered
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -177,33 +178,15 @@ def test_greedy_replies_equal_generate_alone_batched_and_through_preemptions(che
     greedy = SamplingParams(temperature=0, max_tokens=STEPS, min_tokens=STEPS)
     engine = Engine(model, EngineConfig(page_size=4, max_batch=4, kv_pages=256, prefill_budget=16))
     assert [engine.generate_ids([p], greedy)[0] for p in prompts] == expected
-    done: dict[str, list[int]] = {}
-    texts: dict[str, list[str]] = {}
-
-    def on_event(e) -> None:
-        if e.kind is EventKind.TEXT:
-            texts.setdefault(e.request_id, []).append(e.text)
-        elif e.final:
-            done[e.request_id] = e.token_ids
-
-    def staggered(engine: Engine, name: str) -> list[str]:
-        ids = []
-        for k, p in enumerate(prompts):  # each arrives while the earlier ones are decoding
-            ids.append(engine.submit(p, greedy, on_event, request_id=f"{name}-{k}", streaming=False))
-            engine.step()
-            engine.step()
-        while not all(i in done for i in ids):
-            engine.step()
-        assert [done[i] for i in ids] == expected
-        assert engine.pool.used_pages == 0
-        return ids
-
-    ids = staggered(engine, "batched")
+    texts: list[list[str]] = []  # each request's text pieces
+    # each arrives while the earlier ones are decoding
+    assert run_staggered(engine, prompts, greedy, every=2, texts=texts) == expected
+    assert engine.pool.used_pages == 0
     pages = [-(-(len(p.ids) + STEPS) // 4) for p in prompts]
     small = Engine(model, EngineConfig(page_size=4, max_batch=4, kv_pages=max(pages) + 2, prefill_budget=16))
     assert sum(pages) > max(pages) + 2
-    staggered(small, "preempted")
-    assert small.preemptions > 0
+    assert run_staggered(small, prompts, greedy, every=2) == expected
+    assert small.preemptions > 0 and small.pool.used_pages == 0
     # the speech tokenizer ran once for the requests with clips that were admitted together
     calls = []
     encode = model.encode_features
@@ -215,8 +198,8 @@ def test_greedy_replies_equal_generate_alone_batched_and_through_preemptions(che
     assert calls == [3]
     # the reply's text: what the reference's text ids decode to, in pieces
     first_added = model.template.text.first_added_id
-    for rid, reply in zip(ids, expected):
-        assert "".join(texts.get(rid, [])) == model.template.text.decode([i for i in reply if i < first_added])
+    for pieces, reply in zip(texts, expected):
+        assert "".join(pieces) == model.template.text.decode([i for i in reply if i < first_added])
     offset = model.template.audio_offset
     assert any(i < first_added for r in expected for i in r) and any(i >= offset for r in expected for i in r), \
         "the tiny model says text and speech ids"

@@ -30,6 +30,7 @@ from voxbackend.models.checkpoint import load_safetensors, read_config
 from voxbackend.models.step_audio2.audio_encoder import piece_mel
 from voxbackend.models.step_audio2.model import AUDIO_OFFSET, StepAudio2
 from voxbackend.models.step_audio2.tiny import write_tiny_step_audio2
+from tests.util_engine_drive import run_staggered
 from cosyvoice_oracle import ORACLES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -154,35 +155,17 @@ def test_greedy_replies_equal_the_composed_reference_alone_and_batched(upstream,
     engine = Engine(model, EngineConfig(page_size=4, max_batch=4, kv_pages=256, prefill_budget=16))
     alone = [engine.generate_ids([p], greedy)[0] for p in prompts]
     assert alone == expected
-    done: dict[str, list[int]] = {}
-    texts: dict[str, list[str]] = {}
-
-    def on_event(e) -> None:
-        if e.kind is EventKind.TEXT:
-            texts.setdefault(e.request_id, []).append(e.text)
-        elif e.final:
-            done[e.request_id] = e.token_ids
-
-    def staggered(engine: Engine, name: str) -> list[str]:
-        ids = []
-        for k, p in enumerate(prompts):  # each arrives while the earlier ones are decoding
-            ids.append(engine.submit(p, greedy, on_event, request_id=f"{name}-{k}", streaming=False))
-            engine.step()
-            engine.step()
-        while not all(i in done for i in ids):
-            engine.step()
-        assert [done[i] for i in ids] == expected
-        assert engine.pool.used_pages == 0
-        return ids
-
-    ids = staggered(engine, "batched")
+    texts: list[list[str]] = []  # each request's text pieces
+    # each arrives while the earlier ones are decoding
+    assert run_staggered(engine, prompts, greedy, every=2, texts=texts) == expected
+    assert engine.pool.used_pages == 0
     # a pool that holds the longest request but not all four: requests are preempted and resume with the same
     # audio rows at their placeholder positions
     pages = [-(-(len(p.ids) + STEPS) // 4) for p in prompts]
     small = Engine(model, EngineConfig(page_size=4, max_batch=4, kv_pages=max(pages) + 2, prefill_budget=16))
     assert sum(pages) > max(pages) + 2
-    staggered(small, "preempted")
-    assert small.preemptions > 0
+    assert run_staggered(small, prompts, greedy, every=2) == expected
+    assert small.preemptions > 0 and small.pool.used_pages == 0
     # submitted together: the audio encoder runs once for the three requests with audio, on the engine thread
     calls = []
     encode = model.encode_features
@@ -195,10 +178,10 @@ def test_greedy_replies_equal_the_composed_reference_alone_and_batched(upstream,
     # the reply's text, as TEXT events in pieces: what the reference's text ids (below the control ids) decode to
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
     first_control = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    for rid, reply in zip(ids, expected):
+    for pieces, reply in zip(texts, expected):
         said = tokenizer.decode([i for i in reply if i < first_control])
-        assert "".join(texts.get(rid, [])) == said
-    assert any(len(texts.get(rid, [])) > 1 for rid in ids), "text comes in pieces as it is generated"
+        assert "".join(pieces) == said
+    assert any(len(pieces) > 1 for pieces in texts), "text comes in pieces as it is generated"
     assert any(i >= AUDIO_OFFSET for reply in expected for i in reply), "the tiny model says audio ids too"
 
 

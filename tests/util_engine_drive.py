@@ -18,12 +18,18 @@ def tiny_engine(name: str, **options):
     return voxbackend.load(model_dir, codec_dir, model=name, **options)
 
 
-def run_staggered(engine, prompts, sampling, every: int = 3) -> list[list[int]]:
-    """Submit a new request every `every` engine steps; each request's token ids."""
+def run_staggered(engine, prompts, sampling, every: int = 3, texts: list | None = None) -> list[list[int]]:
+    """Submit a new request every `every` engine steps; each request's token ids. `texts`: filled with each
+    request's TEXT event pieces (a model with text out)."""
+    from voxbackend.events import EventKind
+
     done: dict[str, list[int]] = {}
+    pieces: dict[str, list[str]] = {}
 
     def on_event(e):
-        if e.final:
+        if e.kind is EventKind.TEXT:
+            pieces.setdefault(e.request_id, []).append(e.text)
+        elif e.final:
             done[e.request_id] = e.token_ids
 
     ids, step = [], 0
@@ -32,6 +38,8 @@ def run_staggered(engine, prompts, sampling, every: int = 3) -> list[list[int]]:
             ids.append(engine.submit(prompts[len(ids)], sampling, on_event, streaming=False))
         engine.step()
         step += 1
+    if texts is not None:
+        texts.extend(pieces.get(i, []) for i in ids)
     return [done[i] for i in ids]
 
 
