@@ -22,6 +22,8 @@ from voxbackend.audio_io import read_audio
 from voxbackend.errors import InvalidRequest
 from voxbackend.models.base import ModelSpec, Prompt, PromptFeatures, SpeechModel, WindowJob, WindowSpec
 from voxbackend.models.checkpoint import load_safetensors, read_config
+from voxbackend.models.conversation import (HISTORY_INPUTS, INPUT_AUDIO, MAX_AUDIO_S, MAX_CLIP_S, HistoryTurn,
+                                            check_history, history_turn)
 from voxbackend.models.decoder import DecoderConfig, build_decoder
 from voxbackend.models.glm4_voice.chat import (SPEECH_CODES, SPEECH_SYSTEM, TEXT_SYSTEM, ChatTemplate, GlmTokenizer,
                                                Turn)
@@ -34,9 +36,6 @@ from voxbackend.tensor_spec import TensorSpec
 TOKENIZER_FOLDER = "glm-4-voice-tokenizer"
 DECODER_FOLDER = "glm-4-voice-decoder"
 DEFAULT_VOICE = "default"  # the decoder speaks in one voice
-MAX_CLIP_S = 60.0  # one clip (the user's turn, or one turn of the history)
-MAX_AUDIO_S = 180.0  # all of a request's clips together
-MAX_HISTORY_TURNS = 32
 MAX_TOKENS = 2000  # upstream's demo cap on a reply
 
 
@@ -55,20 +54,14 @@ class GLM4VoiceFrontend(SpeechModel):
     """What the preprocess needs: the chat template and the clips (16 kHz samples); no weights."""
 
     request_inputs = (
-        TensorSpec("INPUT_AUDIO", "STRING", optional=True, arg="audio", kind="audio",
-                   doc="the user's spoken turn: a WAV/FLAC/OGG clip of at most 60 s (any rate: resampled to 16 kHz)"),
+        INPUT_AUDIO,
         TensorSpec("VOICE", "STRING", optional=True, arg="voice", doc='the reply\'s voice: only "default" (the '
                    "decoder has one)"),
         TensorSpec("SPEAK", "BOOL", optional=True, arg="speak",
                    doc="false: the reply's text only (its speech ids are not decoded); default true"),
         TensorSpec("SYSTEM_PROMPT", "STRING", optional=True, arg="system",
                    doc="the system prompt; default: upstream's, which asks for the 13 text / 26 speech interleave"),
-        TensorSpec("HISTORY_ROLE", "STRING", (-1,), optional=True, arg="role", segment="history",
-                   doc="earlier turns, oldest first: user or assistant, one per turn"),
-        TensorSpec("HISTORY_TEXT", "STRING", (-1,), optional=True, arg="text", segment="history",
-                   doc="each earlier turn's text (an assistant turn: what it said); empty for none"),
-        TensorSpec("HISTORY_AUDIO", "STRING", (-1,), optional=True, arg="audio", segment="history", kind="audio",
-                   doc="each earlier user turn's clip (WAV/FLAC/OGG bytes; empty for none)"),
+        *HISTORY_INPUTS,
     )
     # the prompt's clips, for the speech tokenizer in the engine (engine_features)
     conditioning = (
@@ -111,12 +104,10 @@ class GLM4VoiceFrontend(SpeechModel):
         assistant turn is given by its text (what it said). `speak`: False leaves the reply's speech undecoded."""
         if voice not in (None, "", DEFAULT_VOICE):
             raise InvalidRequest(f"unknown voice {voice!r}; choose one of {DEFAULT_VOICE}", field="voice")
-        history = [] if history is None else history
-        if len(history) > MAX_HISTORY_TURNS:
-            raise InvalidRequest(f"history has {len(history)} turns; the limit is {MAX_HISTORY_TURNS}",
-                                 field="history")
+        history = check_history(history)
         clips: list[np.ndarray] = []
-        turns = [self._history_turn(turn, f"history[{i}]", clips) for i, turn in enumerate(history)]
+        turns = [self._history_turn(history_turn(turn, f"history[{i}]"), f"history[{i}]", clips)
+                 for i, turn in enumerate(history)]
         user = self._user_turn(text, audio, sample_rate, "text", "audio", clips)
         if system is None:
             system = SPEECH_SYSTEM if user.speech_tokens else TEXT_SYSTEM
@@ -146,22 +137,10 @@ class GLM4VoiceFrontend(SpeechModel):
             raise InvalidRequest(f"give {text_field}, {audio_field} or both", field=text_field)
         return Turn("user", text, tokens)
 
-    def _history_turn(self, turn, field: str, clips: list) -> Turn:
-        if not isinstance(turn, dict):
-            raise InvalidRequest(f"{field} must be a dict, got {type(turn).__name__}", field=field)
-        unknown = set(turn) - {"role", "text", "audio", "sample_rate"}
-        if unknown:
-            raise InvalidRequest(f"{field} has unknown keys {sorted(unknown)}", field=field)
-        role, audio = turn.get("role"), turn.get("audio")
-        audio = None if audio is None or len(audio) == 0 else audio  # an empty HISTORY_AUDIO element: no clip
-        if role == "user":
-            return self._user_turn(turn.get("text"), audio, turn.get("sample_rate"), f"{field}.text",
-                                   f"{field}.audio", clips)
-        if role == "assistant":
-            if audio is not None:
-                raise InvalidRequest(f"{field}.audio: an assistant turn is given by its text", field=f"{field}.audio")
-            return Turn("assistant", self.check_text(turn.get("text"), f"{field}.text"))
-        raise InvalidRequest(f"{field}.role must be user or assistant, got {role!r}", field=f"{field}.role")
+    def _history_turn(self, turn: HistoryTurn, field: str, clips: list) -> Turn:
+        if turn.role == "user":
+            return self._user_turn(turn.text, turn.audio, turn.sample_rate, f"{field}.text", f"{field}.audio", clips)
+        return Turn("assistant", self.check_text(turn.text, f"{field}.text"))
 
     def feature_count(self, conditioning: dict[str, np.ndarray]) -> int:
         lengths, samples = conditioning.get("audio_clip_samples"), conditioning.get("audio_samples")

@@ -20,6 +20,8 @@ from voxbackend.errors import InvalidRequest
 from voxbackend.components.flow_hift.dit_token2wav import VoicePrompt
 from voxbackend.models.base import ModelSpec, Prompt, PromptFeatures, SpeechModel, WindowJob, WindowSpec
 from voxbackend.models.checkpoint import load_safetensors, read_config
+from voxbackend.models.conversation import (HISTORY_INPUTS, INPUT_AUDIO, MAX_AUDIO_S, MAX_CLIP_S, HistoryTurn,
+                                            check_history, history_turn)
 from voxbackend.models.decoder import DecoderConfig, build_decoder
 from voxbackend.models.step_audio2.audio_encoder import SAMPLE_RATE, load_audio_encoder, placeholder_count
 from voxbackend.models.step_audio2.chat import ChatTemplate, Turn
@@ -30,9 +32,6 @@ from voxbackend.tensor_spec import TensorSpec
 
 AUDIO_OFFSET = 151696  # the first audio id: S3 code 0 of CosyVoice2's 6561-code tokenizer
 AUDIO_CODES = 6561
-MAX_CLIP_S = 60.0  # one clip (the user's turn, or one turn of the history)
-MAX_AUDIO_S = 180.0  # all of a request's clips together
-MAX_HISTORY_TURNS = 32
 N_MELS = 128
 MIN_PIECE_FRAMES = 3  # the 2 tail-pad frames and one of audio: 1 placeholder row
 ENCODER_BATCH = 16  # audio pieces (up to 25 s each) per encoder call
@@ -48,18 +47,12 @@ class StepAudio2Frontend(SpeechModel):
     """What the preprocess needs: the chat template, the voices, the spectrograms of the clips; no weights."""
 
     request_inputs = (
-        TensorSpec("INPUT_AUDIO", "STRING", optional=True, arg="audio", kind="audio",
-                   doc="the user's spoken turn: a WAV/FLAC/OGG clip of at most 60 s (any rate: resampled to 16 kHz)"),
+        INPUT_AUDIO,
         TensorSpec("VOICE", "STRING", optional=True, arg="voice",
                    doc="the voice the reply is spoken in (a voices/ file of the checkpoint); default: \"default\""),
         TensorSpec("SPEAK", "BOOL", optional=True, arg="speak", doc="false: a text reply only, no audio; default true"),
         TensorSpec("SYSTEM_PROMPT", "STRING", optional=True, arg="system", doc="the system prompt (none if absent)"),
-        TensorSpec("HISTORY_ROLE", "STRING", (-1,), optional=True, arg="role", segment="history",
-                   doc="earlier turns, oldest first: user or assistant, one per turn"),
-        TensorSpec("HISTORY_TEXT", "STRING", (-1,), optional=True, arg="text", segment="history",
-                   doc="each earlier turn's text (an assistant turn: what it said); empty for none"),
-        TensorSpec("HISTORY_AUDIO", "STRING", (-1,), optional=True, arg="audio", segment="history", kind="audio",
-                   doc="each earlier user turn's clip (WAV/FLAC/OGG bytes; empty for none)"),
+        *HISTORY_INPUTS,
     )
     # the prompt's clips as spectrograms, for the audio encoder in the engine (engine_features)
     conditioning = (
@@ -109,12 +102,9 @@ class StepAudio2Frontend(SpeechModel):
         at `sample_rate`. `history`: [{"role": "user" | "assistant", "text": ..., "audio": ..., "sample_rate": ...}],
         oldest first; an assistant turn is given by its text (what it said)."""
         turns = [Turn("system", self.check_text(system, "system"))] if system is not None else []
-        history = [] if history is None else history
-        if len(history) > MAX_HISTORY_TURNS:
-            raise InvalidRequest(f"history has {len(history)} turns; the limit is {MAX_HISTORY_TURNS}",
-                                 field="history")
+        history = check_history(history)
         for i, turn in enumerate(history):
-            turns.append(self._history_turn(turn, f"history[{i}]"))
+            turns.append(self._history_turn(history_turn(turn, f"history[{i}]"), f"history[{i}]"))
         turns.append(Turn("user", self._user_content(text, audio, sample_rate, "text", "audio")))
         turns.append(Turn("assistant", [[self.template.tts_start]] if speak else [], ends=False))
         chat = self.template.render(turns)
@@ -147,23 +137,11 @@ class StepAudio2Frontend(SpeechModel):
             raise InvalidRequest(f"give {text_field}, {audio_field} or both", field=text_field)
         return content
 
-    def _history_turn(self, turn, field: str) -> Turn:
-        if not isinstance(turn, dict):
-            raise InvalidRequest(f"{field} must be a dict, got {type(turn).__name__}", field=field)
-        unknown = set(turn) - {"role", "text", "audio", "sample_rate"}
-        if unknown:
-            raise InvalidRequest(f"{field} has unknown keys {sorted(unknown)}", field=field)
-        role = turn.get("role")
-        audio = turn.get("audio")
-        audio = None if audio is None or len(audio) == 0 else audio  # an empty HISTORY_AUDIO element: no clip
-        if role == "user":
-            return Turn("user", self._user_content(turn.get("text"), audio, turn.get("sample_rate"),
-                                                   f"{field}.text", f"{field}.audio"))
-        if role == "assistant":
-            if audio is not None:
-                raise InvalidRequest(f"{field}.audio: an assistant turn is given by its text", field=f"{field}.audio")
-            return Turn("assistant", self.check_text(turn.get("text"), f"{field}.text"))
-        raise InvalidRequest(f"{field}.role must be user or assistant, got {role!r}", field=f"{field}.role")
+    def _history_turn(self, turn: HistoryTurn, field: str) -> Turn:
+        if turn.role == "user":
+            return Turn("user", self._user_content(turn.text, turn.audio, turn.sample_rate, f"{field}.text",
+                                                   f"{field}.audio"))
+        return Turn("assistant", self.check_text(turn.text, f"{field}.text"))
 
     def feature_count(self, conditioning: dict[str, np.ndarray]) -> int:
         frames = conditioning.get("audio_mel_frames")
